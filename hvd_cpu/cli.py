@@ -1,0 +1,127 @@
+"""The `hvd-cpu` command: options in, a TrainConfig out, the Python API does the work.
+
+Every rank of a horovodrun job parses the same command line, so errors are printed by rank 0
+only, as one line, with exit code 2: N copies of a usage message help nobody.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+import click
+
+from hvd_cpu import __version__
+from hvd_cpu.errors import InputError
+
+
+def _fail(show: Callable[[], None], code: int) -> NoReturn:
+    """Rank 0 shows the error; every rank exits with `code` at once, without teardown."""
+    # Imported lazily: `hvd-cpu --help` and make-demo-data should not pay for loading Horovod.
+    from hvd_cpu import dist
+
+    if dist.launch_rank() == 0:
+        show()
+    dist.exit_now(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hvd-cpu")
+def cli() -> None:
+    """Train PyTorch models on a pandas DataFrame over all CPU cores and hosts (Horovod, Gloo).
+
+    Start it with `horovodrun -np N hvd-cpu train ...`; alone it runs as a job of one.
+    """
+
+
+@cli.command()
+@click.option(
+    "--data",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="DataFrame file: .parquet, .pkl/.pickle, .feather or .csv. "
+    "Default: a generated demo frame.",
+)
+@click.option("--target", default="target", show_default=True, help="Column to predict.")
+@click.option("--epochs", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Rows per step on each rank; the global batch is this times the ranks.",
+)
+@click.option(
+    "--lr",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1e-3,
+    show_default=True,
+    help="Adam's learning rate before scaling.",
+)
+@click.option(
+    "--scale-lr/--no-scale-lr",
+    default=True,
+    show_default=True,
+    help="Multiply --lr by the number of ranks (Horovod's convention).",
+)
+@click.option(
+    "--shuffle/--no-shuffle",
+    default=True,
+    show_default=True,
+    help="Reshuffle the rows across ranks every epoch.",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Torch threads per rank. Default: usable cores / ranks on the host.",
+)
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=Path("runs/hvd-cpu"),
+    show_default=True,
+    help="Folder for metrics.jsonl, ranks.json and model.pt.",
+)
+def train(**options: object) -> None:
+    """Train the seed's MLP (Linear(n,32) -> Linear(32,1), MSE, Adam) on a DataFrame."""
+    from hvd_cpu.config import TrainConfig
+    from hvd_cpu.train import train as run_training
+
+    run_training(TrainConfig(**options))
+
+
+@cli.command("make-demo-data")
+@click.argument("path", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--rows", type=click.IntRange(min=1), default=100_000, show_default=True)
+@click.option("--features", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--overwrite", is_flag=True, help="Replace PATH if it exists.")
+def make_demo_data(path: Path, rows: int, features: int, seed: int, overwrite: bool) -> None:
+    """Write a synthetic frame: float features x0.. and a `target` column that is a linear
+    function of them plus Gaussian noise (std 0.1, so the best reachable MSE is 0.01)."""
+    from hvd_cpu.data.demo import make_demo_frame
+    from hvd_cpu.data.frames import format_of, write_frame
+
+    format_of(path)
+    if path.exists() and not overwrite:
+        raise InputError(f"{path} exists; pass --overwrite to replace it or choose another path")
+    write_frame(make_demo_frame(rows, features, seed), path)
+    click.echo(f"wrote {rows} rows x {features} features + target to {path}")
+
+
+def main() -> None:
+    """Console entry point: run the command, turn bad input into one line from rank 0."""
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        sys.exit(130)
+    except click.ClickException as exc:
+        _fail(exc.show, exc.exit_code)
+    except InputError as exc:
+        message = f"hvd-cpu: error: {' '.join(str(exc).split())}"
+        _fail(lambda: print(message, file=sys.stderr), InputError.exit_code)

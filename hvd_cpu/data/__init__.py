@@ -1,0 +1,1 @@
+"""From a DataFrame file to batches of tensors: read, turn into features, shard, batch."""

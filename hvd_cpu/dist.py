@@ -1,0 +1,155 @@
+"""Every direct Horovod call of hvd-cpu, so the rest of the code never imports Horovod.
+
+Keeping them in one place is what lets a second launcher (MPI) or Horovod's elastic mode
+replace how ranks start and agree without touching the data or training code.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+from hvd_cpu.errors import InputError
+
+# Environment variables through which launchers tell a process its rank before init.
+RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process stands in the job."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    threads: int
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+def launch_rank() -> int:
+    """This process's rank as the launcher announced it; usable before (or without) init."""
+    for name in RANK_VARIABLES:
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota if set."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def exit_quietly_on_signals() -> None:
+    """End this process at once, with status 128 + signal, on SIGTERM or SIGINT.
+
+    horovodrun stops the remaining ranks with SIGTERM when one rank fails. Dying by the
+    signal makes each rank's shell print "Terminated", and a Python handler would wait while
+    the main thread is blocked in a collective. Instead the C-level handler writes the signal
+    number to a pipe (whichever thread the kernel picked), and a thread waiting on it exits.
+    """
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
+
+    def exit_on_signal() -> None:
+        while (signum := os.read(read_end, 1)[0]) not in (signal.SIGTERM, signal.SIGINT):
+            pass
+        exit_now(128 + signum)
+
+    threading.Thread(target=exit_on_signal, name="exit-on-signal", daemon=True).start()
+
+
+def exit_now(code: int) -> None:
+    """Flush and end the process without interpreter teardown or Horovod's shutdown.
+
+    Teardown waits on peers that may be gone and restores the default signal handlers, so a
+    rank that is still tearing down when horovodrun sends SIGTERM dies noisily by the signal.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def init(threads: int | None = None) -> World:
+    """Join the job (a job of one without a launcher) and give this rank its share of cores.
+
+    Without a thread budget every rank would start one thread per core, and N ranks on N
+    cores would fight over N x N threads.
+    """
+    exit_quietly_on_signals()
+    hvd.init()
+    threads = threads or max(1, usable_cores() // hvd.local_size())
+    torch.set_num_threads(threads)
+    return World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), threads)
+
+
+def agree_on_error(message: str | None) -> None:
+    """Raise the same InputError on every rank if any rank found one, else return.
+
+    Every rank calls this once after reading its input, so a problem seen by one rank only
+    (a file missing on one host) ends all ranks instead of leaving them in a collective.
+    """
+    reports = hvd.allgather_object((socket.gethostname(), message))
+    failed = [(rank, host, text) for rank, (host, text) in enumerate(reports) if text]
+    if failed:
+        rank, host, text = failed[0]
+        everywhere = len(failed) == len(reports)
+        raise InputError(text if everywhere else f"on rank {rank} ({host}): {text}")
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
+    """Average gradients over all ranks inside optimizer.step()."""
+    return hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(), op=hvd.Average
+    )
+
+
+def broadcast_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Start every rank from rank 0's parameters and optimizer state.
+
+    The optimizer state goes as one object: Horovod's broadcast_optimizer_state would first
+    take a zero-gradient step on a fresh optimizer, which shifts Adam's bias correction.
+    """
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    state = hvd.broadcast_object(
+        optimizer.state_dict() if hvd.rank() == 0 else None, root_rank=0, name="optimizer_state"
+    )
+    optimizer.load_state_dict(state)
+
+
+def sum_over_ranks(values: torch.Tensor, name: str) -> torch.Tensor:
+    """Element-wise sum of a small tensor over all ranks (for metrics, not gradients)."""
+    return hvd.allreduce(values, op=hvd.Sum, name=name)
+
+
+def gather(obj: Any) -> list[Any]:
+    """Every rank's object, in rank order, on every rank."""
+    return hvd.allgather_object(obj)
+
+
+def shutdown() -> None:
+    """Leave the job cleanly so the launcher sees every rank finish."""
+    hvd.shutdown()

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Quick start, command 1: install what is missing, then train the seed's model on a generated
+# demo DataFrame with four CPU processes. Extra arguments go to `hvd-cpu train`.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+bash "$repo/launch/install.sh"
+venv=${HVD_CPU_VENV:-$repo/.venv}
+export PATH=$venv/bin:$PATH
+cd "$repo"
+exec horovodrun -np 4 hvd-cpu train "$@"

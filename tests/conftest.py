@@ -1,0 +1,64 @@
+"""Helpers that run hvd-cpu for real: as a plain process and under horovodrun."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+# horovodrun prefixes each line a rank prints with "[rank]<stdout>:" or "[rank]<stderr>:",
+# after a timestamp when run with --prefix-output-with-timestamp.
+RANK_PREFIX = re.compile(r"^(?P<time>.*?)\[(?P<rank>\d+)\]<(?:stdout|stderr)>:(?P<text>.*)$")
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def rank_lines(self, rank: int | None = None) -> list[tuple[int, str]]:
+        """(rank, text) of every line a rank printed, from horovodrun's prefixes."""
+        found = []
+        for line in (self.stdout + self.stderr).splitlines():
+            match = RANK_PREFIX.match(line)
+            if match and (rank is None or int(match["rank"]) == rank):
+                found.append((int(match["rank"]), match["text"]))
+        return found
+
+
+def run(args: list[str], timeout: float = 300, cwd: Path | None = None) -> Run:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    start = time.monotonic()
+    done = subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, check=False
+    )
+    return Run(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
+
+
+def hvd_cpu(*args: str, timeout: float = 300) -> Run:
+    """`hvd-cpu ARGS` as a plain process (a job of one)."""
+    return run([str(BIN / "hvd-cpu"), *args], timeout=timeout)
+
+
+def horovodrun(np: int, *args: str, launcher: tuple[str, ...] = (), timeout: float = 300) -> Run:
+    """`horovodrun -np NP [LAUNCHER OPTIONS] hvd-cpu ARGS` on this host."""
+    command = [str(BIN / "horovodrun"), "-np", str(np), "--disable-cache", *launcher]
+    return run([*command, str(BIN / "hvd-cpu"), *args], timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def demo_parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4096-row demo frame shared by the integration tests."""
+    path = tmp_path_factory.mktemp("data") / "demo.parquet"
+    made = hvd_cpu("make-demo-data", str(path), "--rows", "4096", "--features", "8")
+    assert made.returncode == 0, made.stderr
+    return path

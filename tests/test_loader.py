@@ -1,0 +1,66 @@
+"""The sharding contract, checked without Horovod: what each rank reads and in which order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_cpu.data.features import Arrays
+from hvd_cpu.data.loader import ShardedBatches
+
+
+def make_arrays(rows: int, features: int = 3) -> Arrays:
+    # Row i holds the value i everywhere, so a batch tells which rows it came from.
+    x = np.repeat(np.arange(rows, dtype=np.float32)[:, None], features, axis=1)
+    return Arrays(x=x, y=x[:, :1].copy(), feature_names=tuple(f"f{i}" for i in range(features)))
+
+
+def shards(rows: int, size: int, shuffle: bool, epoch: int, batch_size: int = 7):
+    arrays = make_arrays(rows)
+    loaders = [ShardedBatches(arrays, batch_size, r, size, shuffle, seed=3) for r in range(size)]
+    for loader in loaders:
+        loader.set_epoch(epoch)
+    return loaders
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_shards_are_disjoint_and_cover_every_row(size: int, shuffle: bool) -> None:
+    rows = 96  # divisible by 1..4: no padding
+    seen = [loader.indices().tolist() for loader in shards(rows, size, shuffle, epoch=2)]
+    flat = [i for shard in seen for i in shard]
+    assert sorted(flat) == list(range(rows))
+    assert {len(shard) for shard in seen} == {rows // size}
+
+
+def test_uneven_rows_are_padded_so_every_rank_takes_the_same_number_of_steps() -> None:
+    rows, size = 101, 4
+    loaders = shards(rows, size, shuffle=True, epoch=1)
+    flat = [i for loader in loaders for i in loader.indices().tolist()]
+    assert set(flat) == set(range(rows))
+    assert len(flat) == 104  # 3 rows repeated to pad the shards to 26 each
+    assert {len(loader) for loader in loaders} == {len(loaders[0])}
+
+
+def test_epochs_reshuffle_the_same_way_on_every_rank() -> None:
+    first = [loader.indices() for loader in shards(64, 2, shuffle=True, epoch=1)]
+    again = [loader.indices() for loader in shards(64, 2, shuffle=True, epoch=1)]
+    second = [loader.indices() for loader in shards(64, 2, shuffle=True, epoch=2)]
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not torch.equal(first[0], second[0])
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_batches_hold_exactly_the_sampled_rows_in_order(rank: int) -> None:
+    arrays = make_arrays(50)
+    loader = ShardedBatches(arrays, batch_size=4, rank=rank, size=3, shuffle=True, seed=1)
+    loader.set_epoch(5)
+    wanted = list(loader.sampler)
+    batches = list(loader)
+    assert [len(x) for x, _ in batches] == [4, 4, 4, 4, 1]
+    got_x = torch.cat([x for x, _ in batches])
+    got_y = torch.cat([y for _, y in batches])
+    assert torch.equal(got_x, torch.from_numpy(arrays.x[wanted]))
+    assert torch.equal(got_y, torch.from_numpy(arrays.y[wanted]))
+    assert len(loader) == len(batches)
