@@ -13,6 +13,8 @@ from hvd_cpu.data.features import to_arrays
 from hvd_cpu.data.frames import read_frame, write_frame
 from hvd_cpu.errors import InputError
 
+from .conftest import hvd_cpu
+
 
 @pytest.mark.parametrize("suffix", [".parquet", ".pkl", ".pickle", ".feather", ".csv"])
 def test_every_format_round_trips(tmp_path: Path, suffix: str) -> None:
@@ -72,3 +74,19 @@ def test_non_numeric_features_are_named() -> None:
     )
     with pytest.raises(InputError, match="non-numeric feature columns: city, when"):
         to_arrays(frame, "target")
+
+
+def test_make_demo_data_never_overwrites_without_asking(tmp_path: Path) -> None:
+    path = tmp_path / "frame.csv"
+    path.write_text("precious\n")
+    refused = hvd_cpu("make-demo-data", str(path), "--rows", "10")
+    assert refused.returncode == 2
+    assert (
+        refused.stderr.strip()
+        == f"hvd-cpu: error: {path} exists; pass --overwrite to replace it or choose another path"
+    )
+    assert path.read_text() == "precious\n"
+
+    made = hvd_cpu("make-demo-data", str(path), "--rows", "10", "--features", "2", "--overwrite")
+    assert made.returncode == 0, made.stderr
+    assert list(read_frame(path).columns) == ["x0", "x1", "target"]
