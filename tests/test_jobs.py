@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -74,3 +75,13 @@ def test_a_plain_process_is_a_job_of_one(demo_parquet: Path, tmp_path: Path) -> 
     assert job.returncode == 0, job.stderr
     assert [line.split(":")[0] for line in job.stdout.splitlines()] == ["Epoch 1", "Epoch 2"]
     assert metrics(tmp_path)[0]["world_size"] == 1
+
+
+def test_the_demo_loss_falls_in_each_of_ten_epochs(tmp_path: Path) -> None:
+    """README's command 1: `horovodrun -np 4 hvd-cpu train` on the embedded demo frame."""
+    job = horovodrun(4, "train", "--output", str(tmp_path))
+    assert job.returncode == 0, job.stdout + job.stderr
+    losses = [m["train_loss"] for m in metrics(tmp_path)]
+    assert len(losses) == 10
+    assert all(later < earlier for earlier, later in itertools.pairwise(losses))
+    assert losses[-1] < 0.02  # near the demo's noise floor, NOISE_STD ** 2 = 0.01
