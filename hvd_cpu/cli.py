@@ -36,6 +36,19 @@ def cli() -> None:
     """
 
 
+def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
+    """A comma-separated list of column names."""
+    return None if value is None else tuple(n.strip() for n in value.split(",") if n.strip())
+
+
+def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    """A comma-separated list of layer sizes."""
+    try:
+        return tuple(int(n) for n in value.split(",") if n.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+
+
 @cli.command()
 @click.option(
     "--data",
@@ -43,7 +56,77 @@ def cli() -> None:
     help="DataFrame file: .parquet, .pkl/.pickle, .feather or .csv. "
     "Default: a generated demo frame.",
 )
-@click.option("--target", default="target", show_default=True, help="Column to predict.")
+@click.option(
+    "--format",
+    type=click.Choice(["parquet", "pickle", "feather", "csv"]),
+    help="Read --data in this format whatever its extension.",
+)
+@click.option(
+    "--target",
+    "targets",
+    multiple=True,
+    default=("target",),
+    show_default=True,
+    help="Column to predict; repeat for several outputs (regression).",
+)
+@click.option(
+    "--features",
+    callback=_names,
+    metavar="COL,...",
+    help="Feature columns. Default: every column but the targets.",
+)
+@click.option(
+    "--drop",
+    callback=_names,
+    default="",
+    metavar="COL,...",
+    help="Columns to leave out (an id, a leak).",
+)
+@click.option(
+    "--task",
+    type=click.Choice(["regression", "classification"]),
+    default="regression",
+    show_default=True,
+    help="regression: MSE loss; classification: cross-entropy, accuracy reported.",
+)
+@click.option(
+    "--max-categories",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Most levels a text/category column may have (each becomes a 0/1 feature).",
+)
+@click.option(
+    "--standardize-target",
+    is_flag=True,
+    help="Regression: train on the target scaled to mean 0, std 1 (loss in those units).",
+)
+@click.option(
+    "--shard-read",
+    is_flag=True,
+    help="Parquet: each rank reads only its own row groups (about 1/N of the memory); "
+    "rows are then shuffled within each rank's shard.",
+)
+@click.option(
+    "--model",
+    metavar="MODULE:CLASS|FILE.py:CLASS",
+    help="Your own torch.nn.Module, built as CLASS(n_features=..., n_outputs=...).",
+)
+@click.option(
+    "--hidden",
+    callback=_sizes,
+    default="32",
+    show_default=True,
+    metavar="N,...",
+    help="Hidden layer sizes of the default MLP.",
+)
+@click.option(
+    "--activation",
+    type=click.Choice(["none", "relu", "gelu"]),
+    default="none",
+    show_default=True,
+    help="Activation between the MLP's layers (the seed's has none).",
+)
 @click.option("--epochs", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option(
     "--batch-size",
@@ -69,7 +152,7 @@ def cli() -> None:
     "--shuffle/--no-shuffle",
     default=True,
     show_default=True,
-    help="Reshuffle the rows across ranks every epoch.",
+    help="Reshuffle the rows every epoch.",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
@@ -83,10 +166,11 @@ def cli() -> None:
     type=click.Path(path_type=Path, file_okay=False),
     default=Path("runs/hvd-cpu"),
     show_default=True,
-    help="Folder for metrics.jsonl, ranks.json and model.pt.",
+    help="Folder for metrics.jsonl, ranks.json, features.json and model.pt.",
 )
 def train(**options: object) -> None:
-    """Train the seed's MLP (Linear(n,32) -> Linear(32,1), MSE, Adam) on a DataFrame."""
+    """Train a model on a DataFrame: by default the seed's MLP (Linear(n,32) -> Linear(32,1),
+    MSE, Adam) on every column but the target."""
     from hvd_cpu.config import TrainConfig
     from hvd_cpu.train import train as run_training
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from hvd_cpu.errors import InputError
 
@@ -18,8 +19,21 @@ DEMO_FEATURES = 16
 class TrainConfig:
     """Everything one training job needs; each rank builds the same one from the same options."""
 
+    # the data
     data: Path | None = None  # None: the generated demo frame
-    target: str = "target"
+    format: str | None = None  # None: from the file's extension
+    targets: tuple[str, ...] = ("target",)
+    features: tuple[str, ...] | None = None  # None: every column but the targets and --drop
+    drop: tuple[str, ...] = ()
+    task: Literal["regression", "classification"] = "regression"
+    max_categories: int = 32
+    standardize_target: bool = False
+    shard_read: bool = False  # each rank reads only its row groups of a parquet file
+    # the model
+    model: str | None = None  # "package.module:Class" or "file.py:Class"; None: the MLP below
+    hidden: tuple[int, ...] = (32,)
+    activation: Literal["none", "relu", "gelu"] = "none"
+    # the optimisation
     epochs: int = 10
     batch_size: int = 64  # per rank; the global batch is batch_size x world size
     lr: float = 1e-3  # Adam's default, before scaling by the world size
@@ -30,10 +44,16 @@ class TrainConfig:
     output: Path = Path("runs/hvd-cpu")
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size"):
+        for name in ("epochs", "batch_size", "max_categories"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise InputError(f"lr must be positive, got {self.lr}")
         if self.threads is not None and self.threads < 1:
             raise InputError(f"threads must be at least 1, got {self.threads}")
+        if not self.targets:
+            raise InputError("name at least one --target column")
+        if any(size < 1 for size in self.hidden):
+            raise InputError(f"hidden layer sizes must be at least 1, got {self.hidden}")
+        if self.shard_read and self.data is None:
+            raise InputError("--shard-read reads a parquet file: pass it with --data")

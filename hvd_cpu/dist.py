@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import horovod.torch as hvd
+import numpy as np
 import torch
 
 from hvd_cpu.errors import InputError
@@ -112,7 +113,7 @@ def agree_on_error(message: str | None) -> None:
     Every rank calls this once after reading its input, so a problem seen by one rank only
     (a file missing on one host) ends all ranks instead of leaving them in a collective.
     """
-    reports = hvd.allgather_object((socket.gethostname(), message))
+    reports = hvd.allgather_object((socket.gethostname(), message), name="agree_on_error")
     failed = [(rank, host, text) for rank, (host, text) in enumerate(reports) if text]
     if failed:
         rank, host, text = failed[0]
@@ -145,9 +146,21 @@ def sum_over_ranks(values: torch.Tensor, name: str) -> torch.Tensor:
     return hvd.allreduce(values, op=hvd.Sum, name=name)
 
 
-def gather(obj: Any) -> list[Any]:
-    """Every rank's object, in rank order, on every rank."""
-    return hvd.allgather_object(obj)
+def gather(obj: Any, name: str) -> list[Any]:
+    """Every rank's object, in rank order, on every rank. `name` must be the same on every
+    rank (Horovod matches collectives by name; its default, the object's type, may differ)."""
+    return hvd.allgather_object(obj, name=name)
+
+
+class Collectives:
+    """The statistics collectives that data.features needs, over all ranks of the job."""
+
+    def sum(self, values: np.ndarray) -> np.ndarray:
+        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+        return hvd.allreduce(tensor, op=hvd.Sum, name="statistics").numpy()
+
+    def gather(self, obj: Any) -> list[Any]:
+        return gather(obj, name="statistics")
 
 
 def shutdown() -> None:

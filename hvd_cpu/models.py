@@ -1,24 +1,102 @@
-"""The default model: the seed's network, unchanged."""
+"""The models hvd-cpu trains: the seed's MLP (and wider/deeper kin), or the user's own Module."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from hvd_cpu.errors import InputError
+
+ACTIVATIONS = {"none": None, "relu": nn.ReLU, "gelu": nn.GELU}
+
 
 class Network(nn.Module):
-    """Linear(n, 32) -> Linear(32, 1), no activation: exactly the seed user's model."""
+    """Linear layers with an optional activation between them.
 
-    def __init__(self, input_size: int, hidden: int = 32, outputs: int = 1) -> None:
+    With the defaults it is exactly the seed user's model, `Linear(n, 32) -> Linear(32, 1)`
+    with no activation, and its state_dict keys (`linear_1`, `linear_2`) match theirs.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden: tuple[int, ...] = (32,),
+        outputs: int = 1,
+        activation: str = "none",
+    ) -> None:
         super().__init__()
         self.input_size = input_size
-        self.linear_1 = nn.Linear(input_size, hidden)
-        self.linear_2 = nn.Linear(hidden, outputs)
+        sizes = [input_size, *hidden, outputs]
+        self.layers = []
+        for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes), start=1):
+            self.add_module(f"linear_{i}", nn.Linear(n_in, n_out))
+            self.layers.append(getattr(self, f"linear_{i}"))
+        self.activation = ACTIVATIONS[activation]() if ACTIVATIONS[activation] else None
 
     def forward(self, data: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(self.linear_1(data))
+        *hidden, last = self.layers
+        for layer in hidden:
+            data = layer(data)
+            if self.activation is not None:
+                data = self.activation(data)
+        return last(data)
+
+
+def load_model_class(spec: str) -> type[nn.Module]:
+    """`package.module:ClassName` or `path/to/file.py:ClassName` -> the class."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise InputError(f"--model {spec!r} is not MODULE:CLASS or FILE.py:CLASS")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise InputError(f"--model file not found: {path}; check the path on every host")
+            module_spec = importlib.util.spec_from_file_location(f"hvd_cpu_user.{path.stem}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_spec.name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except InputError:
+        raise
+    except Exception as exc:  # the user's code can fail in any way while importing
+        raise InputError(
+            f"--model {spec!r}: cannot import {where}: {type(exc).__name__}: {exc}; "
+            "check that it imports on its own (python -c 'import ...') on every host"
+        ) from exc
+    cls = getattr(module, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise InputError(f"--model {spec!r}: {where} has no torch.nn.Module subclass {name!r}")
+    return cls
+
+
+def build_user_model(spec: str, n_features: int, n_outputs: int) -> nn.Module:
+    """Build the user's class as `ClassName(n_features=..., n_outputs=...)` and check that its
+    forward returns one row of n_outputs per input row."""
+    cls = load_model_class(spec)
+    try:
+        model = cls(n_features=n_features, n_outputs=n_outputs)
+        out = model(torch.zeros(2, n_features))
+    except Exception as exc:
+        raise InputError(
+            f"--model {spec!r}: {cls.__name__}(n_features={n_features}, n_outputs={n_outputs}) "
+            f"failed on a batch of shape (2, {n_features}): {type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, n_outputs):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise InputError(
+            f"--model {spec!r}: forward returned {got} for a batch of 2 rows; expected shape "
+            f"(batch, n_outputs) = (2, {n_outputs})"
+        )
+    return model
 
 
 def parameter_digest(model: nn.Module) -> str:

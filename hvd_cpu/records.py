@@ -19,6 +19,7 @@ class EpochMetrics:
     train_loss: float  # mean over every sample that every rank trained on
     samples: int
     seconds: float
+    train_accuracy: float | None = None  # classification only
 
     @property
     def samples_per_s(self) -> float:
@@ -38,16 +39,28 @@ class Records:
 
     def epoch(self, metrics: EpochMetrics) -> None:
         """Print the seed's epoch line and append the epoch to metrics.jsonl."""
-        print(f"Epoch {metrics.epoch}: Train Loss: {metrics.train_loss:.4f}", flush=True)
-        line = {
-            **asdict(metrics),
+        line = f"Epoch {metrics.epoch}: Train Loss: {metrics.train_loss:.4f}"
+        if metrics.train_accuracy is not None:
+            line += f", Train Accuracy: {metrics.train_accuracy:.4f}"
+        print(line, flush=True)
+        record = {
+            **{k: v for k, v in asdict(metrics).items() if v is not None},
             "samples_per_s": round(metrics.samples_per_s, 1),
             "seconds": round(metrics.seconds, 4),
             "lr": self.lr,
             "world_size": self.world_size,
         }
         with self.metrics_path.open("a") as handle:
-            handle.write(json.dumps(line) + "\n")
+            handle.write(json.dumps(record) + "\n")
+
+    def notes(self, lines: list[str]) -> None:
+        """What the data preparation changed (rows dropped, values filled, columns dropped)."""
+        for line in lines:
+            print(f"hvd-cpu: note: {line}", file=sys.stderr, flush=True)
+
+    def features(self, transform: dict[str, Any]) -> None:
+        """The fitted feature transformation, for predict and for the curious."""
+        self._write_json("features.json", transform)
 
     def ranks(self, reports: list[dict[str, Any]]) -> None:
         """What each rank says about itself: host, threads, shard size, parameter digest."""
@@ -57,5 +70,8 @@ class Records:
                 file=sys.stderr,
                 flush=True,
             )
-        text = json.dumps(reports, indent=2) + "\n"
-        atomic_write(self.output / "ranks.json", lambda handle: handle.write(text.encode()))
+        self._write_json("ranks.json", reports)
+
+    def _write_json(self, name: str, data: Any) -> None:
+        text = json.dumps(data, indent=2) + "\n"
+        atomic_write(self.output / name, lambda handle: handle.write(text.encode()))

@@ -15,42 +15,96 @@ import pytest
 from .conftest import RANK_PREFIX, horovodrun, hvd_cpu
 
 
-def missing_file(tmp: Path, demo: Path) -> list[str]:
-    return ["--data", str(tmp / "absent.parquet")]
+def data(frame: pd.DataFrame, tmp: Path, name: str = "frame.pkl") -> list[str]:
+    frame.to_pickle(tmp / name)
+    return ["--data", str(tmp / name)]
 
 
-def unknown_extension(tmp: Path, demo: Path) -> list[str]:
-    path = tmp / "frame.xlsx"
-    path.write_bytes(demo.read_bytes())
-    return ["--data", str(path)]
+def bad_model(tmp: Path, body: str) -> str:
+    (tmp / "user_model.py").write_text(f"import torch\n{body}\n")
+    return f"{tmp / 'user_model.py'}:Model"
 
 
-def missing_target(tmp: Path, demo: Path) -> list[str]:
-    return ["--data", str(demo), "--target", "price"]
+WRONG_SHAPE = """
+class Model(torch.nn.Module):
+    def __init__(self, n_features, n_outputs):
+        super().__init__()
+        self.layer = torch.nn.Linear(n_features, 3)
 
+    def forward(self, x):
+        return self.layer(x)
+"""
 
-def non_numeric_features(tmp: Path, demo: Path) -> list[str]:
-    frame = pd.read_parquet(demo)
-    frame["city"] = "Oslo"
-    path = tmp / "strings.parquet"
-    frame.to_parquet(path)
-    return ["--data", str(path)]
-
-
-CASES: dict[str, tuple[Callable[[Path, Path], list[str]], str]] = {
-    "missing file": (missing_file, r"data file not found: .*absent\.parquet; check the path"),
-    "unknown extension": (unknown_extension, r"unknown data format '\.xlsx' .*; save the frame as"),
-    "missing target": (missing_target, r"target column 'price' not in the data .*--target"),
-    "non-numeric": (non_numeric_features, r"non-numeric feature columns: city; convert them"),
+# name -> (arguments after `train`, built in a temporary folder from the demo frame; pattern)
+Case = tuple[Callable[[Path, pd.DataFrame], list[str]], str]
+CASES: dict[str, Case] = {
+    "missing file": (
+        lambda tmp, demo: ["--data", str(tmp / "absent.parquet")],
+        r"data file not found: .*absent\.parquet; check the path",
+    ),
+    "corrupt file": (
+        lambda tmp, demo: ["--data", str(_write(tmp / "torn.parquet", b"PAR1 torn"))],
+        r"cannot read .*torn\.parquet as parquet: .*check that the file is complete",
+    ),
+    "unknown format": (
+        lambda tmp, demo: ["--data", str(_write(tmp / "frame.xlsx", b"xlsx"))],
+        r"unknown data format '\.xlsx' .*--format",
+    ),
+    "empty frame": (lambda tmp, demo: data(demo.iloc[:0], tmp), r"the data has no rows"),
+    "missing target": (
+        lambda tmp, demo: [*data(demo, tmp), "--target", "price"],
+        r"target column 'price' not in the data .*--target",
+    ),
+    "constant target": (
+        lambda tmp, demo: data(demo.assign(target=3.0), tmp),
+        r"target column 'target' is constant",
+    ),
+    "text target": (
+        lambda tmp, demo: data(demo.assign(target="high"), tmp),
+        r"target column 'target' is not numeric .*--task classification",
+    ),
+    "unknown feature": (
+        lambda tmp, demo: [*data(demo, tmp), "--features", "x0,x99"],
+        r"feature column 'x99' not in the data .*--features",
+    ),
+    "duplicate columns": (
+        lambda tmp, demo: data(demo.set_axis([*demo.columns[:-2], "x0", "target"], axis=1), tmp),
+        r"duplicate column names in the data: x0",
+    ),
+    "too many categories": (
+        lambda tmp, demo: data(demo.assign(city=[f"c{i % 40}" for i in range(len(demo))]), tmp),
+        r"column 'city' has 40 distinct values, more than --max-categories 32",
+    ),
+    "model does not import": (
+        lambda tmp, demo: [*data(demo, tmp), "--model", bad_model(tmp, "import no_such_pkg")],
+        r"--model .*cannot import .*No module named 'no_such_pkg'",
+    ),
+    "model output shape": (
+        lambda tmp, demo: [*data(demo, tmp), "--model", bad_model(tmp, WRONG_SHAPE)],
+        r"--model .*forward returned \(2, 3\) .*expected shape \(batch, n_outputs\) = \(2, 1\)",
+    ),
+}
+# Only a job of several ranks can have fewer rows than ranks.
+RANK_CASES: dict[str, Case] = {
+    "fewer rows than ranks": (
+        lambda tmp, demo: data(demo.iloc[:1], tmp),
+        r"the data has 1 row\(s\), fewer than the 2 ranks",
+    ),
 }
 
 
+def _write(path: Path, content: bytes) -> Path:
+    path.write_bytes(content)
+    return path
+
+
 def prepare(tmp_path: Path, demo: Path, case: str) -> tuple[list[str], str, Path]:
-    make_args, pattern = CASES[case]
+    make_args, pattern = (CASES | RANK_CASES)[case]
     output = tmp_path / "previous-run"
     output.mkdir()
     (output / "metrics.jsonl").write_text("good results\n")
-    return [*make_args(tmp_path, demo), "--output", str(output)], pattern, output
+    args = make_args(tmp_path, pd.read_parquet(demo))
+    return [*args, "--output", str(output)], pattern, output
 
 
 def assert_untouched(output: Path) -> None:
@@ -70,10 +124,16 @@ def test_plain_process_prints_one_line_and_exits_2(case: str, demo_parquet: Path
     assert_untouched(output)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_four_ranks_end_with_one_line_from_rank_0(case: str, demo_parquet: Path, tmp_path: Path):
+@pytest.mark.parametrize(
+    ("np", "case"),
+    [(2, case) for case in CASES | RANK_CASES]
+    + [(4, case) for case in ("missing file", "missing target", "too many categories")],
+)
+def test_every_rank_ends_with_one_line_from_rank_0(
+    np: int, case: str, demo_parquet: Path, tmp_path: Path
+):
     args, pattern, output = prepare(tmp_path, demo_parquet, case)
-    job = horovodrun(4, "train", *args, launcher=("--prefix-output-with-timestamp",))
+    job = horovodrun(np, "train", *args, launcher=("--prefix-output-with-timestamp",))
     finished = datetime.now()
 
     assert job.returncode == 2, job.stdout + job.stderr

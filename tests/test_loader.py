@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hvd_cpu.data.features import Arrays
-from hvd_cpu.data.loader import ShardedBatches
+from hvd_cpu.data.loader import LocalShardSampler, ShardedBatches, global_sampler
 
 
 def make_arrays(rows: int, features: int = 3) -> Arrays:
@@ -18,7 +18,10 @@ def make_arrays(rows: int, features: int = 3) -> Arrays:
 
 def shards(rows: int, size: int, shuffle: bool, epoch: int, batch_size: int = 7):
     arrays = make_arrays(rows)
-    loaders = [ShardedBatches(arrays, batch_size, r, size, shuffle, seed=3) for r in range(size)]
+    loaders = [
+        ShardedBatches(arrays, batch_size, global_sampler(rows, r, size, shuffle, seed=3))
+        for r in range(size)
+    ]
     for loader in loaders:
         loader.set_epoch(epoch)
     return loaders
@@ -54,7 +57,7 @@ def test_epochs_reshuffle_the_same_way_on_every_rank() -> None:
 @pytest.mark.parametrize("rank", [0, 2])
 def test_batches_hold_exactly_the_sampled_rows_in_order(rank: int) -> None:
     arrays = make_arrays(50)
-    loader = ShardedBatches(arrays, batch_size=4, rank=rank, size=3, shuffle=True, seed=1)
+    loader = ShardedBatches(arrays, 4, global_sampler(50, rank, 3, shuffle=True, seed=1))
     loader.set_epoch(5)
     wanted = list(loader.sampler)
     batches = list(loader)
@@ -64,3 +67,15 @@ def test_batches_hold_exactly_the_sampled_rows_in_order(rank: int) -> None:
     assert torch.equal(got_x, torch.from_numpy(arrays.x[wanted]))
     assert torch.equal(got_y, torch.from_numpy(arrays.y[wanted]))
     assert len(loader) == len(batches)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_local_shard_is_shuffled_within_and_padded_to_the_longest(shuffle: bool) -> None:
+    sampler = LocalShardSampler(rows=10, length=13, rank=1, shuffle=shuffle, seed=0)
+    sampler.set_epoch(1)
+    first = list(sampler)
+    assert len(first) == len(sampler) == 13
+    assert sorted(set(first)) == list(range(10))  # every row, three of them twice
+    assert (first[:10] == list(range(10))) != shuffle
+    sampler.set_epoch(2)
+    assert (list(sampler) != first) == shuffle

@@ -1,51 +1,426 @@
-"""Turn a DataFrame into float32 feature and target matrices, refusing what cannot be trained on."""
+"""From DataFrame columns to float32 matrices: typing, encoding, filling, scaling.
+
+Statistics (means, standard deviations, category levels, classes, counts) are summed over the
+rows of all ranks through the `Collectives` passed in, so `-np 4` fits exactly the
+transformation that one process would fit on the whole table. The fitted `FeatureTransform`
+is plain data (JSON), saved next to the model and applied again by `predict`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import pandas as pd
-from pandas.api.types import is_numeric_dtype
+from pandas.api import types
 
 from hvd_cpu.errors import InputError
+
+Task = Literal["regression", "classification"]
+Kind = Literal["numeric", "bool", "datetime", "timedelta", "category", "empty"]
+MISSING_LEVEL = "<missing>"
+DATETIME_PARTS = ("year", "month", "day", "day_of_week", "hour")
+NUMBERS = ("integer", "floating", "mixed-integer-float", "decimal", "empty")
+
+
+class Collectives(Protocol):
+    """How a fit sees the other ranks (hvd_cpu.dist provides the real ones)."""
+
+    def sum(self, values: np.ndarray) -> np.ndarray:
+        """Element-wise float64 sum over all ranks."""
+        ...
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's object, in rank order."""
+        ...
+
+
+class OneProcess:
+    """The collectives of a job of one: what predict and single-process tools use."""
+
+    def sum(self, values: np.ndarray) -> np.ndarray:
+        return values
+
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]
 
 
 @dataclass(frozen=True)
 class Arrays:
-    """Features and targets as contiguous float32 matrices, one row per sample."""
+    """Features and targets as contiguous matrices, one row per sample."""
 
-    x: np.ndarray  # (rows, features)
-    y: np.ndarray  # (rows, targets)
+    x: np.ndarray  # float32 (rows, features)
+    y: np.ndarray  # float32 (rows, targets) for regression, int64 (rows,) class indices
     feature_names: tuple[str, ...]
 
     def __len__(self) -> int:
         return len(self.x)
 
 
-def to_arrays(frame: pd.DataFrame, target: str) -> Arrays:
-    """Split off the target column; every other column is a numeric feature."""
-    if target not in frame.columns:
-        shown = ", ".join(map(str, frame.columns[:10])) + (", ..." if frame.shape[1] > 10 else "")
-        raise InputError(
-            f"target column {target!r} not in the data (columns: {shown}); "
-            "name the right one with --target"
+@dataclass(frozen=True)
+class Selection:
+    """Which columns are targets and which are features, as the user named them."""
+
+    targets: tuple[str, ...] = ("target",)
+    features: tuple[str, ...] | None = None  # None: every column that is not a target
+    drop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class InputColumn:
+    """One input column and how it becomes numbers."""
+
+    name: str
+    kind: Kind
+    levels: tuple[str, ...] = ()  # one-hot levels of a category column
+
+    def expand(self, series: pd.Series) -> Iterator[tuple[str, np.ndarray]]:
+        """(output name, float64 values with NaN where missing) for each derived column."""
+        if self.kind in ("numeric", "bool", "empty"):
+            yield self.name, _floats(series)
+        elif self.kind == "timedelta":
+            yield self.name, _floats(pd.to_timedelta(series) / pd.Timedelta(seconds=1))
+        elif self.kind == "datetime":
+            stamps = pd.to_datetime(series, utc=True)
+            epoch = pd.Timestamp(0, tz="UTC")
+            yield self.name, _floats((stamps - epoch) / pd.Timedelta(seconds=1))
+            for part in DATETIME_PARTS:
+                yield f"{self.name}.{part}", _floats(getattr(stamps.dt, part))
+        else:
+            labels = _labels(series).fillna(MISSING_LEVEL)
+            for level in self.levels:
+                yield f"{self.name}={level}", (labels == level).to_numpy(np.float64)
+
+
+@dataclass(frozen=True)
+class OutputColumn:
+    """One column of the feature matrix: filled with `mean`, then scaled by (x - mean) / std."""
+
+    name: str
+    mean: float
+    std: float
+
+
+@dataclass
+class FitReport:
+    """What the fit changed in the data, for the user to see."""
+
+    rows: int = 0
+    dropped_rows: int = 0  # target missing or not finite
+    filled: dict[str, int] = field(default_factory=dict)  # input column -> missing values
+    dropped_columns: dict[str, str] = field(default_factory=dict)  # output column -> why
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.dropped_rows:
+            out.append(f"dropped {self.dropped_rows} of {self.rows} rows whose target is missing")
+        if self.filled:
+            counts = ", ".join(f"{name}: {count}" for name, count in self.filled.items())
+            out.append(f"filled {sum(self.filled.values())} missing feature values ({counts})")
+        out += [f"column {name} is {why}; dropped" for name, why in self.dropped_columns.items()]
+        return out
+
+
+@dataclass(frozen=True)
+class FeatureTransform:
+    """The fitted transformation: apply it to any frame with the same input columns."""
+
+    task: Task
+    targets: tuple[str, ...]
+    inputs: tuple[InputColumn, ...]
+    outputs: tuple[OutputColumn, ...]
+    classes: tuple[Any, ...] = ()  # classification: label of each class index
+    target_scale: tuple[OutputColumn, ...] = ()  # regression with --standardize-target
+    report: FitReport = field(default_factory=FitReport)
+
+    @property
+    def n_features(self) -> int:
+        return len(self.outputs)
+
+    @property
+    def n_outputs(self) -> int:
+        return len(self.classes) if self.task == "classification" else len(self.targets)
+
+    def features(self, frame: pd.DataFrame) -> np.ndarray:
+        """The float32 feature matrix, filled and scaled, written column by column."""
+        missing = [c.name for c in self.inputs if c.name not in frame.columns]
+        if missing:
+            raise InputError(f"the data lacks feature column(s) {', '.join(missing)}")
+        scale = {c.name: c for c in self.outputs}
+        x = np.empty((len(frame), len(self.outputs)), dtype=np.float32)
+        index = {c.name: i for i, c in enumerate(self.outputs)}
+        for column in self.inputs:
+            for name, values in column.expand(frame[column.name]):
+                if name in scale:
+                    out = scale[name]
+                    values = np.where(np.isnan(values), out.mean, values)
+                    x[:, index[name]] = (values - out.mean) / out.std
+        return x
+
+    def targets_of(self, frame: pd.DataFrame) -> np.ndarray:
+        """Targets as the loss wants them: scaled float32 columns or int64 class indices."""
+        if self.task == "classification":
+            codes = pd.Categorical(frame[self.targets[0]], categories=list(self.classes)).codes
+            return codes.astype(np.int64)
+        y = frame[list(self.targets)].to_numpy(np.float64, na_value=np.nan)
+        for i, scale in enumerate(self.target_scale):
+            y[:, i] = (y[:, i] - scale.mean) / scale.std
+        return np.ascontiguousarray(y, dtype=np.float32)
+
+    def valid_rows(self, frame: pd.DataFrame) -> np.ndarray:
+        """Rows whose targets can be trained on: present, and finite for regression."""
+        if self.task == "classification":
+            return frame[self.targets[0]].notna().to_numpy()
+        y = frame[list(self.targets)].to_numpy(np.float64, na_value=np.nan)
+        return np.isfinite(y).all(axis=1)
+
+    def arrays(self, frame: pd.DataFrame) -> Arrays:
+        """The training matrices of this frame, rows with an unusable target left out."""
+        valid = self.valid_rows(frame)
+        if not valid.all():  # filtering copies the frame: only when there is something to drop
+            frame = frame[valid]
+        names = tuple(c.name for c in self.outputs)
+        return Arrays(self.features(frame), self.targets_of(frame), names)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FeatureTransform:
+        return cls(
+            task=data["task"],
+            targets=tuple(data["targets"]),
+            inputs=tuple(
+                InputColumn(c["name"], c["kind"], tuple(c["levels"])) for c in data["inputs"]
+            ),
+            outputs=tuple(OutputColumn(**c) for c in data["outputs"]),
+            classes=tuple(data["classes"]),
+            target_scale=tuple(OutputColumn(**c) for c in data["target_scale"]),
+            report=FitReport(**data["report"]),
         )
-    features = frame.drop(columns=[target])
-    if features.shape[1] == 0:
-        raise InputError(f"the data has no feature columns besides the target {target!r}")
-    non_numeric = [str(c) for c in features.columns if not is_numeric_dtype(features[c])]
-    if non_numeric:
-        raise InputError(
-            f"non-numeric feature columns: {', '.join(non_numeric)}; "
-            "convert them to numbers or drop them from the frame"
-        )
-    if not is_numeric_dtype(frame[target]):
-        raise InputError(f"target column {target!r} is not numeric; convert it to numbers")
-    if len(frame) == 0:
-        raise InputError("the data has no rows")
-    return Arrays(
-        x=np.ascontiguousarray(features.to_numpy(dtype=np.float32, copy=True)),
-        y=np.ascontiguousarray(frame[[target]].to_numpy(dtype=np.float32, copy=True)),
-        feature_names=tuple(map(str, features.columns)),
+
+
+def fit(
+    frame: pd.DataFrame,
+    selection: Selection,
+    task: Task,
+    max_categories: int,
+    standardize_target: bool,
+    collectives: Collectives,
+) -> FeatureTransform:
+    """Fit on this rank's part of the rows; the parts of all ranks must not overlap."""
+    feature_names = _select(frame, selection)
+    _check_targets(frame, selection.targets, task, collectives)
+    draft = FeatureTransform(task, selection.targets, (), ())
+    valid = draft.valid_rows(frame)
+    rows, dropped = collectives.sum(np.array([len(frame), (~valid).sum()], dtype=np.float64))
+    frame = frame[valid]
+    report = FitReport(rows=int(rows), dropped_rows=int(dropped))
+
+    classes: tuple[Any, ...] = ()
+    target_scale: tuple[OutputColumn, ...] = ()
+    if task == "classification":
+        classes = _union(collectives, frame[selection.targets[0]].unique().tolist())
+        if len(classes) < 2:
+            raise InputError(
+                f"target {selection.targets[0]!r} has {len(classes)} class(es); "
+                "classification needs at least 2"
+            )
+    else:
+        as_columns = [InputColumn(t, "numeric") for t in selection.targets]
+        stats = _statistics(frame, as_columns, collectives)
+        for name, (_, _, mean, std) in stats.items():
+            if std == 0:
+                raise InputError(f"target column {name!r} is constant ({mean:g}); nothing to learn")
+        if standardize_target:
+            target_scale = tuple(OutputColumn(n, m, s) for n, (*_, m, s) in stats.items())
+
+    inputs = [_input_column(frame, name, max_categories, collectives) for name in feature_names]
+    stats = _statistics(frame, inputs, collectives)
+    outputs, used = [], set()
+    for name, (source, count, mean, std) in stats.items():
+        if count == 0:
+            report.dropped_columns[name] = "entirely missing"
+        elif std == 0:
+            report.dropped_columns[name] = "constant"
+        else:
+            outputs.append(OutputColumn(name, mean, std))
+            used.add(source)
+    if not outputs:
+        raise InputError("no usable feature columns: every feature is constant or missing")
+    missing = collectives.sum(np.array([frame[c.name].isna().sum() for c in inputs], np.float64))
+    report.filled = {
+        c.name: int(n) for c, n in zip(inputs, missing, strict=True) if n and c.name in used
+    }
+    return FeatureTransform(
+        task, selection.targets, tuple(inputs), tuple(outputs), classes, target_scale, report
     )
+
+
+def _select(frame: pd.DataFrame, selection: Selection) -> list[str]:
+    """The feature column names; every named column must exist and names must be unique."""
+    names = [str(c) for c in frame.columns]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise InputError(
+            f"duplicate column names in the data: {', '.join(duplicates)}; rename them so each "
+            "column has its own name"
+        )
+    shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+    for option, wanted in (
+        ("--target", selection.targets),
+        ("--features", selection.features or ()),
+        ("--drop", selection.drop),
+    ):
+        unknown = [n for n in wanted if n not in names]
+        if unknown:
+            kind = "target" if option == "--target" else "feature"
+            raise InputError(
+                f"{kind} column {', '.join(map(repr, unknown))} not in the data "
+                f"(columns: {shown}); check {option}"
+            )
+    chosen = selection.features if selection.features is not None else names
+    features = [n for n in chosen if n not in selection.targets and n not in selection.drop]
+    if not features:
+        raise InputError("no feature columns left after --target, --features and --drop")
+    return features
+
+
+def _check_targets(
+    frame: pd.DataFrame, targets: tuple[str, ...], task: Task, collectives: Collectives
+) -> None:
+    if task == "classification":
+        if len(targets) != 1:
+            raise InputError("classification takes exactly one --target column")
+        return
+    # Decided from the values of every rank: one rank's rows may look numeric by chance.
+    local = [types.is_numeric_dtype(frame[t]) or _infer(frame[t]) in NUMBERS for t in targets]
+    for name, *numeric in zip(targets, *collectives.gather(local), strict=True):
+        if not all(numeric):
+            raise InputError(
+                f"target column {name!r} is not numeric ({frame[name].dtype}); convert it to "
+                "numbers, or pass --task classification to predict its classes"
+            )
+
+
+def _infer(series: pd.Series) -> str:
+    return types.infer_dtype(series, skipna=True)
+
+
+def _local_kind(series: pd.Series) -> str:
+    """The kind this rank's values suggest: 'empty' when it holds no values at all, and
+    'unsupported (TYPE)' for what cannot be turned into numbers, so that every rank can see
+    every rank's verdict before any of them gives up."""
+    dtype = series.dtype
+    if types.is_bool_dtype(dtype):
+        return "bool"
+    if types.is_datetime64_any_dtype(dtype):
+        return "datetime"
+    if types.is_timedelta64_dtype(dtype):
+        return "timedelta"
+    if isinstance(dtype, pd.CategoricalDtype):
+        return "category"
+    if types.is_numeric_dtype(dtype) and not types.is_complex_dtype(dtype):
+        return "empty" if series.isna().all() else "numeric"
+    inferred = _infer(series)
+    kinds: dict[str, Kind] = {
+        "empty": "empty",
+        "boolean": "bool",
+        "integer": "numeric",
+        "floating": "numeric",
+        "mixed-integer-float": "numeric",
+        "decimal": "numeric",
+        "datetime64": "datetime",
+        "datetime": "datetime",
+        "date": "datetime",
+        "timedelta64": "timedelta",
+        "timedelta": "timedelta",
+        "string": "category",
+        "categorical": "category",
+    }
+    return kinds.get(inferred, f"unsupported ({inferred})")
+
+
+def _input_column(
+    frame: pd.DataFrame, name: str, max_categories: int, collectives: Collectives
+) -> InputColumn:
+    """Agree with the other ranks on the column's kind (and levels), then describe it."""
+    kinds = {k for k in collectives.gather(_local_kind(frame[name])) if k != "empty"}
+    unsupported = sorted(k for k in kinds if k.startswith("unsupported"))
+    if unsupported:
+        raise InputError(
+            f"column {name!r} holds values of an {unsupported[0]} type; convert it to numbers, "
+            "strings or timestamps, or leave it out with --drop"
+        )
+    if len(kinds) > 1:
+        raise InputError(
+            f"column {name!r} holds different types in different parts of the data "
+            f"({', '.join(sorted(kinds))}); give it one type"
+        )
+    kind = kinds.pop() if kinds else "empty"
+    if kind != "category":
+        return InputColumn(name, kind)
+    labels = _labels(frame[name])
+    levels = _union(collectives, labels.dropna().unique().tolist())
+    if len(levels) > max_categories:
+        raise InputError(
+            f"column {name!r} has {len(levels)} distinct values, more than --max-categories "
+            f"{max_categories}; raise --max-categories, convert it to numbers, or --drop it"
+        )
+    if collectives.sum(np.array([labels.isna().sum()], np.float64))[0]:
+        levels = (*levels, MISSING_LEVEL)
+    return InputColumn(name, kind, levels)
+
+
+def _statistics(
+    frame: pd.DataFrame, inputs: list[InputColumn], collectives: Collectives
+) -> dict[str, tuple[str, int, float, float]]:
+    """Per output column over all ranks: (its input column, values present, mean, std after
+    filling with the mean).
+
+    Two passes (sums, then squared deviations from the global mean) so that the result does
+    not depend on how the rows are split between ranks beyond float rounding. Columns are
+    expanded one at a time, twice, rather than held: memory stays at one column.
+    """
+
+    def expanded() -> Iterator[tuple[str, str, np.ndarray]]:
+        for column in inputs:
+            for name, values in column.expand(frame[column.name]):
+                yield column.name, name, values
+
+    names, firsts = [], []
+    for source, name, values in expanded():
+        names.append((source, name))
+        firsts.append((np.isfinite(values).sum(), np.nansum(values)))
+    counts, sums = collectives.sum(np.array(firsts, np.float64).reshape(-1)).reshape(-1, 2).T
+    means = np.divide(sums, counts, out=np.zeros_like(sums), where=counts > 0)
+    squares = [np.nansum((v - m) ** 2) for (*_, v), m in zip(expanded(), means, strict=True)]
+    squares = collectives.sum(np.array(squares, np.float64))
+    rows = collectives.sum(np.array([len(frame)], np.float64))[0]
+    stds = np.sqrt(squares / rows) if rows else np.zeros_like(squares)
+    return {
+        name: (source, int(count), float(mean), float(std))
+        for (source, name), count, mean, std in zip(names, counts, means, stds, strict=True)
+    }
+
+
+def _floats(values: pd.Series) -> np.ndarray:
+    """float64 values; missing and infinite both become NaN, to be filled with the mean."""
+    floats = pd.Series(values).to_numpy(np.float64, na_value=np.nan, copy=True)
+    floats[np.isinf(floats)] = np.nan
+    return floats
+
+
+def _labels(series: pd.Series) -> pd.Series:
+    """Category values as strings, missing kept missing."""
+    return series.astype(object).where(series.notna()).map(str, na_action="ignore")
+
+
+def _union(collectives: Collectives, values: list[Any]) -> tuple[Any, ...]:
+    """The sorted union of every rank's values (plain Python scalars, so JSON can hold them)."""
+    merged = {
+        v.item() if hasattr(v, "item") else v for part in collectives.gather(values) for v in part
+    }
+    return tuple(sorted(merged, key=lambda v: (type(v).__name__, v)))

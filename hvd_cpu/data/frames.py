@@ -1,58 +1,127 @@
-"""Read and write DataFrame files, choosing the format by the file's extension."""
+"""Read and write DataFrame files: the format comes from the extension or `--format`."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 
 from hvd_cpu.errors import InputError
 
+# Unpickling runs whatever code the file names: only load pickles you made yourself.
 READERS = {
-    ".parquet": pd.read_parquet,
-    ".pq": pd.read_parquet,
-    # Unpickling can run arbitrary code: only load pickles you made yourself (prefer parquet).
-    ".pkl": pd.read_pickle,
-    ".pickle": pd.read_pickle,
-    ".feather": pd.read_feather,
-    ".csv": pd.read_csv,
+    "parquet": pd.read_parquet,
+    "pickle": pd.read_pickle,
+    "feather": pd.read_feather,
+    "csv": pd.read_csv,
 }
 WRITERS = {
-    ".parquet": lambda frame, path: frame.to_parquet(path, index=False),
-    ".pq": lambda frame, path: frame.to_parquet(path, index=False),
-    ".pkl": lambda frame, path: frame.to_pickle(path),
-    ".pickle": lambda frame, path: frame.to_pickle(path),
-    ".feather": lambda frame, path: frame.to_feather(path),
-    ".csv": lambda frame, path: frame.to_csv(path, index=False),
+    "parquet": lambda frame, path: frame.to_parquet(path, index=False),
+    "pickle": lambda frame, path: frame.to_pickle(path),
+    "feather": lambda frame, path: frame.to_feather(path),
+    "csv": lambda frame, path: frame.to_csv(path, index=False),
 }
-KNOWN = ", ".join(READERS)
+EXTENSIONS = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".pkl": "pickle",
+    ".pickle": "pickle",
+    ".feather": "feather",
+    ".csv": "csv",
+}
 
 
-def format_of(path: Path) -> str:
-    """The extension that picks the reader/writer, or an InputError naming the ones we know."""
+def format_of(path: Path, override: str | None = None) -> str:
+    """The format to read/write `path` in: `override` if given, else by extension."""
+    if override is not None:
+        return override
     suffix = path.suffix.lower()
-    if suffix not in READERS:
+    if suffix not in EXTENSIONS:
         raise InputError(
             f"unknown data format {suffix or '(no extension)'!r} for {path}; "
-            f"save the frame as one of {KNOWN}"
+            f"save the frame as one of {', '.join(EXTENSIONS)} or name the format with --format"
         )
-    return suffix
+    return EXTENSIONS[suffix]
 
 
-def read_frame(path: Path) -> pd.DataFrame:
-    """Read a whole DataFrame file; a missing or unreadable file is the user's to fix."""
-    suffix = format_of(path)
+def _check_exists(path: Path) -> None:
     if not path.is_file():
         raise InputError(
             f"data file not found: {path}; check the path (it must exist on every host)"
         )
+
+
+def _unreadable(path: Path, fmt: str, exc: Exception) -> InputError:
+    return InputError(
+        f"cannot read {path} as {fmt}: {type(exc).__name__}: {exc}; "
+        "check that the file is complete and in the format its extension (or --format) says"
+    )
+
+
+def read_frame(path: Path, fmt: str | None = None) -> pd.DataFrame:
+    """Read a whole DataFrame file; a missing, unreadable or empty file is the user's to fix."""
+    fmt = format_of(path, fmt)
+    _check_exists(path)
     try:
-        return READERS[suffix](path)
-    except Exception as exc:  # any reader failure means the file is not what its name says
-        raise InputError(
-            f"cannot read {path} as {suffix}: {type(exc).__name__}: {exc}; "
-            "check that the file is complete and matches its extension"
-        ) from exc
+        frame = READERS[fmt](path)
+    except Exception as exc:  # any reader failure means the file is not what it claims
+        raise _unreadable(path, fmt, exc) from exc
+    if not isinstance(frame, pd.DataFrame):
+        raise InputError(f"{path} holds a {type(frame).__name__}, not a DataFrame")
+    if len(frame) == 0:
+        raise InputError(f"the data has no rows: {path} is empty")
+    return frame
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The rows of a parquet file that one rank reads: whole row groups, about 1/size each."""
+
+    frame: pd.DataFrame
+    row_groups: tuple[int, ...]
+
+
+def read_parquet_shard(path: Path, rank: int, size: int) -> Shard:
+    """Read only this rank's contiguous run of row groups, balanced by row count.
+
+    Per-rank memory is then about 1/size of the table; row groups are the unit because
+    parquet cannot read part of one without decoding all of it.
+    """
+    _check_exists(path)
+    try:
+        parquet = pq.ParquetFile(path)
+        rows = [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)]
+        if sum(rows) == 0:
+            raise InputError(f"the data has no rows: {path} is empty")
+        if len(rows) < size:
+            raise InputError(
+                f"{path} has {len(rows)} row group(s), fewer than the {size} ranks, so "
+                "--shard-read cannot give every rank rows; rewrite it with smaller row groups "
+                "(e.g. frame.to_parquet(path, row_group_size=100_000)) or drop --shard-read"
+            )
+        mine = tuple(assign_row_groups(rows, size)[rank])
+        frame = parquet.read_row_groups(list(mine)).to_pandas()
+    except InputError:
+        raise
+    except Exception as exc:
+        raise _unreadable(path, "parquet", exc) from exc
+    return Shard(frame, mine)
+
+
+def assign_row_groups(rows: list[int], size: int) -> list[range]:
+    """Split row groups (given their row counts) into `size` contiguous, non-empty runs of
+    about equal rows. Needs at least `size` row groups."""
+    starts = list(itertools.accumulate(rows, initial=0))
+    bounds = [0]
+    for rank in range(1, size):
+        first = bisect.bisect_left(starts, rank * starts[-1] / size)
+        bounds.append(min(max(first, bounds[-1] + 1), len(rows) - (size - rank)))
+    bounds.append(len(rows))
+    return [range(bounds[r], bounds[r + 1]) for r in range(size)]
 
 
 def write_frame(frame: pd.DataFrame, path: Path) -> None:

@@ -1,13 +1,14 @@
 """This rank's shard of the rows, in batches fetched with one tensor index each.
 
 A DataLoader over a per-row Dataset calls __getitem__ and collates once per row: for a
-small model that Python work costs more than the step itself. Here the DistributedSampler
-only decides the order; each batch is a single `index_select` on the in-memory tensors.
+small model that Python work costs more than the step itself. Here a sampler only decides
+the order; each batch is a single `index_select` on the in-memory tensors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 from torch.utils.data import DistributedSampler
@@ -15,32 +16,57 @@ from torch.utils.data import DistributedSampler
 from hvd_cpu.data.features import Arrays
 
 
+class EpochSampler(Protocol):
+    """A sampler that reshuffles per epoch, like DistributedSampler."""
+
+    def set_epoch(self, epoch: int) -> None: ...
+    def __iter__(self) -> Iterator[int]: ...
+    def __len__(self) -> int: ...
+
+
+def global_sampler(rows: int, rank: int, size: int, shuffle: bool, seed: int) -> EpochSampler:
+    """Every rank holds all rows; the sampler gives each rank its own, disjoint shard (padded
+    so every rank takes the same number of steps) and reshuffles them across ranks each epoch."""
+    return DistributedSampler(range(rows), num_replicas=size, rank=rank, shuffle=shuffle, seed=seed)
+
+
+class LocalShardSampler:
+    """Each rank holds only its own rows (--shard-read): shuffle within them, and repeat some
+    to reach `length`, the longest shard, so that every rank takes the same number of steps."""
+
+    def __init__(self, rows: int, length: int, rank: int, shuffle: bool, seed: int) -> None:
+        self.rows, self.length, self.rank = rows, length, rank
+        self.shuffle, self.seed = shuffle, seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(
+                self.seed + 1_000_003 * self.epoch + self.rank
+            )
+            order = torch.randperm(self.rows, generator=generator)
+        else:
+            order = torch.arange(self.rows)
+        return iter(order.repeat(-(-self.length // self.rows))[: self.length].tolist())
+
+    def __len__(self) -> int:
+        return self.length
+
+
 class ShardedBatches:
-    """Iterates over (x, y) batches of this rank's shard; call set_epoch before each epoch.
+    """Iterates over (x, y) batches in the sampler's order; call set_epoch before each epoch."""
 
-    Every rank yields the same number of batches (the sampler pads the shards to equal
-    length), which keeps the per-step gradient allreduce in lockstep.
-    """
-
-    def __init__(
-        self,
-        arrays: Arrays,
-        batch_size: int,
-        rank: int,
-        size: int,
-        shuffle: bool,
-        seed: int,
-    ) -> None:
+    def __init__(self, arrays: Arrays, batch_size: int, sampler: EpochSampler) -> None:
         self.x = torch.from_numpy(arrays.x)
         self.y = torch.from_numpy(arrays.y)
         self.batch_size = batch_size
-        # The sampler only reads len(dataset); the tensors stand in for the Dataset.
-        self.sampler = DistributedSampler(
-            self.x, num_replicas=size, rank=rank, shuffle=shuffle, seed=seed
-        )
+        self.sampler = sampler
 
     def set_epoch(self, epoch: int) -> None:
-        """Reshuffle: every rank passes the same epoch, so the shards stay disjoint."""
+        """Reshuffle: every rank passes the same epoch, so global shards stay disjoint."""
         self.sampler.set_epoch(epoch)
 
     def indices(self) -> torch.Tensor:
