@@ -164,7 +164,7 @@ class FeatureTransform:
         if self.task == "classification":
             codes = pd.Categorical(frame[self.targets[0]], categories=list(self.classes)).codes
             return codes.astype(np.int64)
-        y = frame[list(self.targets)].to_numpy(np.float64, na_value=np.nan)
+        y = frame[list(self.targets)].to_numpy(np.float64, na_value=np.nan, copy=True)
         for i, scale in enumerate(self.target_scale):
             y[:, i] = (y[:, i] - scale.mean) / scale.std
         return np.ascontiguousarray(y, dtype=np.float32)
