@@ -56,7 +56,7 @@ class Records:
     def notes(self, lines: list[str]) -> None:
         """What the data preparation changed (rows dropped, values filled, columns dropped)."""
         for line in lines:
-            print(f"hvd-cpu: note: {line}", file=sys.stderr, flush=True)
+            print(f"hvd-cpu: {line}", file=sys.stderr, flush=True)
 
     def features(self, transform: dict[str, Any]) -> None:
         """The fitted feature transformation, for predict and for the curious."""

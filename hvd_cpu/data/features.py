@@ -113,13 +113,18 @@ class FitReport:
     dropped_columns: dict[str, str] = field(default_factory=dict)  # output column -> why
 
     def lines(self) -> list[str]:
+        """One line per change, each starting with 'note:' or, for dropped columns, 'warning:'."""
         out = []
         if self.dropped_rows:
-            out.append(f"dropped {self.dropped_rows} of {self.rows} rows whose target is missing")
+            out.append(
+                f"note: dropped {self.dropped_rows} of {self.rows} rows whose target is missing"
+            )
         if self.filled:
             counts = ", ".join(f"{name}: {count}" for name, count in self.filled.items())
-            out.append(f"filled {sum(self.filled.values())} missing feature values ({counts})")
-        out += [f"column {name} is {why}; dropped" for name, why in self.dropped_columns.items()]
+            out.append(
+                f"note: filled {sum(self.filled.values())} missing feature values ({counts})"
+            )
+        out += [f"warning: column {n} is {why}; dropped" for n, why in self.dropped_columns.items()]
         return out
 
 
