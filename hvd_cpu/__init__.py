@@ -1,3 +1,16 @@
 """hvd-cpu: data-parallel PyTorch training on CPU processes and CPU hosts with Horovod over Gloo."""
 
+from typing import Any
+
 __version__ = "0.1.0"
+__all__ = ["__version__", "fit"]
+
+
+def __getattr__(name: str) -> Any:
+    # `hvd_cpu.fit` is hvd_cpu.api.fit, imported on first use so that `import hvd_cpu` (and
+    # `hvd-cpu --help`) does not pay for loading torch and Horovod.
+    if name == "fit":
+        from hvd_cpu.api import fit
+
+        return fit
+    raise AttributeError(f"module 'hvd_cpu' has no attribute {name!r}")

@@ -1,4 +1,12 @@
-"""Files that must never be seen half-written: write beside, fsync, rename."""
+"""Files that must never be seen half-written, and the two kinds of model file hvd-cpu writes.
+
+- `checkpoint.pt`: everything needed to continue training (model, optimizer, loop state,
+  feature transformation, config), rewritten every --checkpoint-every epochs.
+- `model.pt`: the exported artifact, everything `predict` needs and nothing more.
+
+Both load with `torch.load(..., weights_only=True)`: plain containers and tensors, so loading
+one never runs code.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +14,29 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
+
+from hvd_cpu.errors import InputError
+
+CHECKPOINT = "checkpoint.pt"
+MODEL = "model.pt"
+MODEL_FORMAT = "hvd-cpu model 1"
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write through a temporary file in the same folder, then rename it over `path`.
 
-    A crash at any moment leaves either the old file or the new one, never a torn mix.
+    A crash at any moment leaves either the old file or the new one, never a torn mix; the
+    temporary files of earlier crashes are removed after the next successful write.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # as open() would create it, not mkstemp's 0600
         with os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()
@@ -32,8 +50,33 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        stale.unlink(missing_ok=True)
 
 
-def save_model(model: torch.nn.Module, path: Path) -> None:
-    """The trained state_dict, loadable with torch.load(path, weights_only=True)."""
-    atomic_write(path, lambda handle: torch.save(model.state_dict(), handle))
+def save(obj: dict[str, Any], path: Path) -> None:
+    """torch.save, atomically."""
+    atomic_write(path, lambda handle: torch.save(obj, handle))
+
+
+def load(path: Path, what: str) -> dict[str, Any]:
+    """torch.load without code execution; a missing or damaged file is the user's to fix."""
+    if not path.is_file():
+        raise InputError(f"no {what} at {path}")
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:
+        raise InputError(
+            f"cannot load the {what} {path}: {type(exc).__name__}: {exc}; it is damaged or "
+            "was not written by hvd-cpu"
+        ) from exc
+
+
+def load_model_file(path: Path) -> dict[str, Any]:
+    """The exported model: `path` is model.pt or the training's output folder."""
+    if path.is_dir():
+        path = path / MODEL
+    artifact = load(path, "trained model")
+    if not isinstance(artifact, dict) or artifact.get("format") != MODEL_FORMAT:
+        raise InputError(f"{path} is not a model exported by hvd-cpu train")
+    return artifact

@@ -166,8 +166,49 @@ def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int,
     type=click.Path(path_type=Path, file_okay=False),
     default=Path("runs/hvd-cpu"),
     show_default=True,
-    help="Folder for metrics.jsonl, ranks.json, features.json and model.pt.",
+    help="Folder for metrics.jsonl, checkpoint.pt, model.pt, features.json and ranks.json.",
 )
+@click.option(
+    "--warmup-epochs",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Raise the lr from --lr to --lr x ranks over these epochs (Horovod's warm-up).",
+)
+@click.option(
+    "--plateau-patience",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Halve the lr after this many epochs without a better validation loss.",
+)
+@click.option(
+    "--val-fraction",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=0.1,
+    show_default=True,
+    help="Rows held out (fixed by --seed) to validate on; 0: none.",
+)
+@click.option(
+    "--patience",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop after this many epochs without a better validation loss.",
+)
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Epochs between checkpoints (OUTPUT/checkpoint.pt, written atomically).",
+)
+@click.option("--resume", is_flag=True, help="Continue from OUTPUT/checkpoint.pt up to --epochs.")
+@click.option("--overwrite", is_flag=True, help="Start again even if OUTPUT holds a checkpoint.")
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="A progress bar per epoch. Default: when stdout is a terminal.",
+)
+@click.option("--quiet", is_flag=True, help="No epoch lines, progress or summary.")
 def train(**options: object) -> None:
     """Train a model on a DataFrame: by default the seed's MLP (Linear(n,32) -> Linear(32,1),
     MSE, Adam) on every column but the target."""
@@ -175,6 +216,51 @@ def train(**options: object) -> None:
     from hvd_cpu.train import train as run_training
 
     run_training(TrainConfig(**options))
+
+
+@cli.command()
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="A training's output folder, or its model.pt.",
+)
+@click.option(
+    "--data",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="The rows to predict, with the training's feature columns.",
+)
+@click.option(
+    "--format",
+    type=click.Choice(["parquet", "pickle", "feather", "csv"]),
+    help="Read --data in this format whatever its extension.",
+)
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="Where to write the predictions (format by extension).",
+)
+@click.option("--id", "id_column", help="A column of --data to copy into the output.")
+@click.option("--overwrite", is_flag=True, help="Replace --output if it exists.")
+def predict(**options: object) -> None:
+    """Predict with a trained model. Runs alone or under horovodrun (rows are shared out,
+    rank 0 writes one output in the input's order)."""
+    from hvd_cpu.predict import PredictConfig
+    from hvd_cpu.predict import predict as run_predict
+
+    run_predict(PredictConfig(**options))
+
+
+@cli.command()
+@click.argument("output", type=click.Path(path_type=Path, file_okay=False, exists=True))
+def plot(output: Path) -> None:
+    """Draw OUTPUT/loss.png: training and validation loss per epoch."""
+    from hvd_cpu.plot import plot_losses
+
+    click.echo(f"wrote {plot_losses(output)}")
 
 
 @cli.command("make-demo-data")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from hvd_cpu.errors import InputError
 
@@ -39,12 +39,34 @@ class TrainConfig:
     lr: float = 1e-3  # Adam's default, before scaling by the world size
     scale_lr: bool = True  # Horovod's convention: lr x size, since the global batch grows
     shuffle: bool = True
+    warmup_epochs: int = 0  # lr rises from lr to lr x size over these epochs
+    plateau_patience: int | None = None  # halve the lr after this many epochs without progress
     seed: int = 0
     threads: int | None = None  # per rank; None: usable cores / ranks on this host
+    # validation and stopping
+    val_fraction: float = 0.1  # held out (by seed) and sharded across ranks; 0: none
+    patience: int | None = None  # stop after this many epochs without a better validation loss
+    # output
     output: Path = Path("runs/hvd-cpu")
+    checkpoint_every: int = 1  # epochs between checkpoints
+    resume: bool = False
+    overwrite: bool = False
+    progress: bool | None = None  # None: a progress bar when stdout is a terminal
+    quiet: bool = False
+
+    # Options that change what the model is: a checkpoint only resumes with the same ones.
+    ARCHITECTURE: ClassVar[tuple[str, ...]] = (
+        "targets",
+        "features",
+        "drop",
+        "task",
+        "model",
+        "hidden",
+        "activation",
+    )
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "max_categories"):
+        for name in ("epochs", "batch_size", "max_categories", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -57,3 +79,16 @@ class TrainConfig:
             raise InputError(f"hidden layer sizes must be at least 1, got {self.hidden}")
         if self.shard_read and self.data is None:
             raise InputError("--shard-read reads a parquet file: pass it with --data")
+        if not 0 <= self.val_fraction < 1:
+            raise InputError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.patience is not None and self.val_fraction == 0:
+            raise InputError("--patience watches the validation loss: set --val-fraction above 0")
+        if self.resume and self.overwrite:
+            raise InputError("--resume continues the checkpoint, --overwrite discards it: pick one")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (paths as strings), for checkpoints and the exported model."""
+        return {
+            k: str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v
+            for k, v in asdict(self).items()
+        }

@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,16 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def launch(
+    func: Callable[..., Any], args: tuple[Any, ...], np: int, hosts: str | None
+) -> list[Any]:
+    """Run `func(*args)` on `np` new ranks over Gloo (Horovod's programmatic launcher, what
+    horovodrun does for a command) and return every rank's result, in rank order."""
+    import horovod
+
+    return horovod.run(func, args=args, np=np, hosts=hosts, use_gloo=True, disable_cache=True)
+
+
 def init(threads: int | None = None) -> World:
     """Join the job (a job of one without a launcher) and give this rank its share of cores.
 
@@ -135,10 +146,14 @@ def broadcast_training_state(model: torch.nn.Module, optimizer: torch.optim.Opti
     take a zero-gradient step on a fresh optimizer, which shifts Adam's bias correction.
     """
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    state = hvd.broadcast_object(
-        optimizer.state_dict() if hvd.rank() == 0 else None, root_rank=0, name="optimizer_state"
+    optimizer.load_state_dict(
+        broadcast_object(optimizer.state_dict() if hvd.rank() == 0 else None, "optimizer_state")
     )
-    optimizer.load_state_dict(state)
+
+
+def broadcast_object(obj: Any, name: str) -> Any:
+    """Rank 0's object on every rank (other ranks pass anything, typically None)."""
+    return hvd.broadcast_object(obj, root_rank=0, name=name)
 
 
 def sum_over_ranks(values: torch.Tensor, name: str) -> torch.Tensor:
@@ -161,8 +176,3 @@ class Collectives:
 
     def gather(self, obj: Any) -> list[Any]:
         return gather(obj, name="statistics")
-
-
-def shutdown() -> None:
-    """Leave the job cleanly so the launcher sees every rank finish."""
-    hvd.shutdown()

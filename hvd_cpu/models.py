@@ -99,6 +99,15 @@ def build_user_model(spec: str, n_features: int, n_outputs: int) -> nn.Module:
     return model
 
 
+def build_model(
+    model: str | None, hidden: tuple[int, ...], activation: str, n_features: int, n_outputs: int
+) -> nn.Module:
+    """The user's Module if `model` names one, else the MLP."""
+    if model:
+        return build_user_model(model, n_features, n_outputs)
+    return Network(n_features, tuple(hidden), n_outputs, activation)
+
+
 def parameter_digest(model: nn.Module) -> str:
     """A hash of every parameter and buffer's bytes: equal digests mean bit-identical models."""
     digest = hashlib.sha256()

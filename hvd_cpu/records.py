@@ -1,62 +1,143 @@
-"""What rank 0 tells the user: epoch lines on stdout, metrics.jsonl and ranks.json on disk."""
+"""What rank 0 tells the user: epoch lines or a progress bar, notes, a closing summary, and
+metrics.jsonl, ranks.json and features.json on disk. Other ranks never create Records."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from tqdm import tqdm
 
 from hvd_cpu.checkpoint import atomic_write
+from hvd_cpu.config import TrainConfig
+
+if TYPE_CHECKING:
+    from hvd_cpu.train import LoopState
 
 
-@dataclass(frozen=True)
+@dataclass
 class EpochMetrics:
-    """One epoch, summed over all ranks."""
+    """One epoch, over all ranks."""
 
     epoch: int
     train_loss: float  # mean over every sample that every rank trained on
     samples: int
     seconds: float
+    lr: float
+    world_size: int
     train_accuracy: float | None = None  # classification only
+    val_loss: float | None = None  # with --val-fraction > 0
+    val_accuracy: float | None = None
 
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else float("inf")
 
+    def record(self) -> dict[str, Any]:
+        """The metrics.jsonl line: every field that applies, plus throughput."""
+        fields = {k: v for k, v in asdict(self).items() if v is not None}
+        return {
+            **fields,
+            "seconds": round(self.seconds, 4),
+            "samples_per_s": round(self.samples_per_s, 1),
+        }
+
+    def line(self) -> str:
+        """The seed's epoch line, with validation (and accuracy) when there is some."""
+        text = f"Epoch {self.epoch}: Train Loss: {self.train_loss:.4f}"
+        if self.train_accuracy is not None:
+            text += f", Train Accuracy: {self.train_accuracy:.4f}"
+        if self.val_loss is not None:
+            text += f", Val Loss: {self.val_loss:.4f}"
+        if self.val_accuracy is not None:
+            text += f", Val Accuracy: {self.val_accuracy:.4f}"
+        return text
+
+
+class Progress:
+    """A per-epoch progress bar (rows/s, running loss) on a terminal."""
+
+    def __init__(self, epoch: int, batches: int) -> None:
+        self.bar = tqdm(
+            total=batches,
+            desc=f"Epoch {epoch}",
+            unit="batch",
+            leave=False,
+            file=sys.stdout,
+            dynamic_ncols=True,
+        )
+        self.rows = 0
+        self.start = time.perf_counter()
+
+    def update(self, rows: int, loss: float) -> None:
+        self.rows += rows
+        rate = self.rows / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{rate:,.0f} rows/s, loss {loss:.4f}", refresh=False)
+        self.bar.update()
+
+    def close(self) -> None:
+        self.bar.close()
+
 
 class Records:
-    """Rank 0's outputs; other ranks do not create one, so they stay silent."""
+    """Rank 0's outputs for one training run."""
 
-    def __init__(self, output: Path, world_size: int, lr: float) -> None:
-        self.output = output
+    def __init__(self, config: TrainConfig, world_size: int) -> None:
+        self.config = config
+        self.output = config.output
         self.world_size = world_size
-        self.lr = lr
-        output.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = output / "metrics.jsonl"
-        self.metrics_path.write_text("")
+        self.metrics_path = self.output / "metrics.jsonl"
+        self.show_progress = (
+            config.progress if config.progress is not None else sys.stdout.isatty()
+        ) and not config.quiet
+        self.bar: Progress | None = None
+        self.started = time.perf_counter()
+
+    def start(self, notes: list[str], history: list[dict[str, Any]]) -> None:
+        """Say what data preparation changed; metrics.jsonl restarts from the resumed history."""
+        for note in notes:
+            print(f"hvd-cpu: {note}", file=sys.stderr, flush=True)
+        self.output.mkdir(parents=True, exist_ok=True)
+        self.metrics_path.write_text("".join(json.dumps(h) + "\n" for h in history))
+
+    def progress(self, epoch: int, batches: int) -> Progress | None:
+        if self.show_progress:
+            self.bar = Progress(epoch, batches)
+        return self.bar
 
     def epoch(self, metrics: EpochMetrics) -> None:
-        """Print the seed's epoch line and append the epoch to metrics.jsonl."""
-        line = f"Epoch {metrics.epoch}: Train Loss: {metrics.train_loss:.4f}"
-        if metrics.train_accuracy is not None:
-            line += f", Train Accuracy: {metrics.train_accuracy:.4f}"
-        print(line, flush=True)
-        record = {
-            **{k: v for k, v in asdict(metrics).items() if v is not None},
-            "samples_per_s": round(metrics.samples_per_s, 1),
-            "seconds": round(metrics.seconds, 4),
-            "lr": self.lr,
-            "world_size": self.world_size,
-        }
+        """Close the bar, print the epoch line, append the epoch to metrics.jsonl."""
+        if self.bar:
+            self.bar.close()
+            self.bar = None
+        if not self.config.quiet:
+            print(metrics.line(), flush=True)
         with self.metrics_path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+            handle.write(json.dumps(metrics.record()) + "\n")
 
-    def notes(self, lines: list[str]) -> None:
-        """What the data preparation changed (rows dropped, values filled, columns dropped)."""
-        for line in lines:
-            print(f"hvd-cpu: {line}", file=sys.stderr, flush=True)
+    def summary(self, state: LoopState) -> None:
+        """The closing table: epochs, best validation, time, throughput."""
+        if self.config.quiet or not state.history:
+            return
+        samples = sum(h["samples"] for h in state.history)
+        seconds = sum(h["seconds"] for h in state.history)
+        rows = [("epochs run", f"{state.epoch}")]
+        if state.best_epoch:
+            rows += [
+                ("best epoch", f"{state.best_epoch}"),
+                ("best validation loss", f"{state.best_val_loss:.4f}"),
+            ]
+        rows += [
+            ("final train loss", f"{state.history[-1]['train_loss']:.4f}"),
+            ("training time", f"{seconds:.1f} s (wall {time.perf_counter() - self.started:.1f} s)"),
+            ("throughput", f"{samples / seconds:,.0f} samples/s over {self.world_size} rank(s)"),
+            ("output", f"{self.output}"),
+        ]
+        width = max(len(name) for name, _ in rows)
+        print("\n".join(f"  {name:<{width}}  {value}" for name, value in rows), flush=True)
 
     def features(self, transform: dict[str, Any]) -> None:
         """The fitted feature transformation, for predict and for the curious."""

@@ -1,76 +1,132 @@
-"""The training loop that runs on every rank: prepare, broadcast, epochs, save.
+"""The training loop that runs on every rank: epochs, validation, early stopping, learning
+rate schedule, checkpoints.
 
-The Trainer holds all state that changes during training (model, optimizer, epoch), so
-checkpoints and Horovod's elastic mode can capture and restore it in one place.
+All state that changes during training is the model, the optimizer and one `LoopState`;
+checkpoints save exactly these three, and `--resume` (or, later, Horovod's elastic mode)
+restores them and broadcasts them from rank 0.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import socket
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TypeVar
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-import pandas as pd
 import torch
 from torch import nn
 
-from hvd_cpu import dist
-from hvd_cpu.checkpoint import save_model
-from hvd_cpu.config import DEMO_FEATURES, DEMO_ROWS, TrainConfig
-from hvd_cpu.data.demo import make_demo_frame
-from hvd_cpu.data.features import Arrays, FeatureTransform, Selection, fit
-from hvd_cpu.data.frames import format_of, read_frame, read_parquet_shard
+from hvd_cpu import checkpoint, dist
+from hvd_cpu.config import TrainConfig
+from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.data.loader import LocalShardSampler, ShardedBatches, global_sampler
-from hvd_cpu.errors import InputError
-from hvd_cpu.models import Network, build_user_model, parameter_digest
-from hvd_cpu.records import EpochMetrics, Records
+from hvd_cpu.models import parameter_digest
+from hvd_cpu.prepare import Prepared, prepare
+from hvd_cpu.records import EpochMetrics, Progress, Records
 
-T = TypeVar("T")
+EVAL_BATCH = 8192  # rows per forward pass when evaluating: no gradients, so bigger is cheaper
+
+
+@dataclass
+class LoopState:
+    """Where the loop is, beyond the model and optimizer: what a checkpoint must restore."""
+
+    epoch: int = 0  # the last finished epoch
+    step: int = 0  # optimizer steps taken (drives the warm-up)
+    lr_factor: float = 1.0  # lowered by reduce-on-plateau
+    best_val_loss: float = math.inf
+    best_epoch: int = 0
+    since_best: int = 0  # epochs since the validation loss last improved
+    since_lr_change: int = 0  # epochs without progress since the lr last changed
+    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
 class TrainResult:
-    """The trained model (identical on every rank) and rank 0's view of each epoch."""
+    """The trained model (identical on every rank) and every epoch's metrics."""
 
     model: nn.Module
     transform: FeatureTransform
-    history: list[EpochMetrics] = field(default_factory=list)
+    history: list[dict[str, Any]]
+
+
+class Validation:
+    """This rank's held-out rows; `evaluate` averages loss (and accuracy) over all ranks'."""
+
+    def __init__(self, prepared: Prepared) -> None:
+        self.x = torch.from_numpy(prepared.arrays.x)
+        self.y = torch.from_numpy(prepared.arrays.y)
+        self.rows = prepared.val_rows
+
+    def evaluate(
+        self, model: nn.Module, loss_fn: nn.Module, classification: bool
+    ) -> tuple[float, float | None]:
+        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, rows, correct
+        model.eval()
+        with torch.no_grad():
+            for batch in self.rows.split(EVAL_BATCH):
+                x, y = self.x.index_select(0, batch), self.y.index_select(0, batch)
+                out = model(x)
+                correct = (out.argmax(1) == y).sum() if classification else 0
+                totals += torch.tensor([float(loss_fn(out, y)) * len(x), len(x), float(correct)])
+        loss_sum, rows, correct = dist.sum_over_ranks(totals, "validation").tolist()
+        return loss_sum / rows, (correct / rows if classification else None)
 
 
 class Trainer:
-    """One rank's model, optimizer and shard; `run_epoch` trains on the shard once."""
+    """One rank's model, optimizer, shard and loop state."""
 
     def __init__(
         self,
+        config: TrainConfig,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         batches: ShardedBatches,
-        classification: bool,
+        validation: Validation | None,
+        world_size: int,
     ) -> None:
+        self.config = config
         self.model = model
         self.optimizer = optimizer
         self.batches = batches
-        self.classification = classification
-        self.loss_fn = nn.CrossEntropyLoss() if classification else nn.MSELoss()
-        self.epoch = 0  # the last finished epoch
+        self.validation = validation
+        self.classification = config.task == "classification"
+        self.loss_fn = nn.CrossEntropyLoss() if self.classification else nn.MSELoss()
+        self.world_size = world_size
+        self.peak_lr = config.lr * (world_size if config.scale_lr else 1)
+        self.warmup_steps = config.warmup_epochs * len(batches)
+        self.state = LoopState()
+
+    def lr(self) -> float:
+        """Horovod's warm-up from lr to lr x size over --warmup-epochs, then the plateau factor."""
+        lr = self.peak_lr
+        if self.state.step < self.warmup_steps:
+            lr = self.config.lr + (lr - self.config.lr) * self.state.step / self.warmup_steps
+        return lr * self.state.lr_factor
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One step; returns the batch's summed loss and its count of correct predictions."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr()
         self.optimizer.zero_grad()  # Horovod's wrapper takes no arguments
         out = self.model(x)
         loss = self.loss_fn(out, y)
         loss.backward()
         self.optimizer.step()  # gradients are averaged over all ranks here
+        self.state.step += 1
         correct = (out.argmax(1) == y).sum() if self.classification else torch.zeros(())
         return loss.detach() * len(x), correct
 
-    def run_epoch(self) -> EpochMetrics:
-        """Train on this rank's shard; loss and accuracy are averaged over all ranks' samples."""
-        epoch = self.epoch + 1
+    def run_epoch(self, progress: Progress | None) -> EpochMetrics:
+        """Train on this rank's shard once, then validate; metrics are over all ranks' rows."""
+        state = self.state
+        epoch = state.epoch + 1
+        lr = self.lr()
+        # Derived, not carried: a resumed run draws the same random numbers (dropout...).
+        torch.manual_seed(self.config.seed * 1_000_003 + epoch)
         self.batches.set_epoch(epoch)
         self.model.train()
         # Summed as tensors so the loop never waits on .item(); float64 so long epochs stay exact.
@@ -79,151 +135,121 @@ class Trainer:
         for x, y in self.batches:
             loss_sum, correct = self._run_batch(x, y)
             totals += torch.stack([loss_sum.double(), torch.tensor(len(x)), correct.double()])
+            if progress:
+                progress.update(len(x), float(loss_sum) / len(x))
         seconds = time.perf_counter() - start
         loss_sum, samples, correct = dist.sum_over_ranks(totals, "epoch_totals").tolist()
-        self.epoch = epoch
-        return EpochMetrics(
+        metrics = EpochMetrics(
             epoch=epoch,
             train_loss=loss_sum / samples,
             samples=int(samples),
             seconds=seconds,
+            lr=lr,
+            world_size=self.world_size,
             train_accuracy=correct / samples if self.classification else None,
         )
+        if self.validation:
+            metrics.val_loss, metrics.val_accuracy = self.validation.evaluate(
+                self.model, self.loss_fn, self.classification
+            )
+            self._track(metrics.val_loss, epoch)
+        state.epoch = epoch
+        state.history.append(metrics.record())
+        return metrics
+
+    def _track(self, val_loss: float, epoch: int) -> None:
+        """Early-stopping and plateau counters; every rank sees the same allreduced loss, so
+        every rank makes the same decisions."""
+        state = self.state
+        if val_loss < state.best_val_loss:
+            state.best_val_loss, state.best_epoch = val_loss, epoch
+            state.since_best = state.since_lr_change = 0
+            return
+        state.since_best += 1
+        state.since_lr_change += 1
+        patience = self.config.plateau_patience
+        if patience is not None and state.since_lr_change >= patience:
+            state.lr_factor /= 2
+            state.since_lr_change = 0
+
+    def done(self) -> bool:
+        patience = self.config.patience
+        stopped = patience is not None and self.state.since_best >= patience
+        return stopped or self.state.epoch >= self.config.epochs
+
+    def checkpoint(self, transform: FeatureTransform) -> dict[str, Any]:
+        """Everything --resume needs, as plain containers and tensors."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "loop": asdict(self.state),
+            "features": transform.to_dict(),
+            "config": self.config.to_dict(),
+        }
+
+    def restore(self, saved: dict[str, Any] | None) -> None:
+        """Rank 0 loads `saved` (if resuming); then every rank takes rank 0's state."""
+        if saved is not None:
+            self.model.load_state_dict(saved["model"])
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.state = LoopState(**saved["loop"])
+        dist.broadcast_training_state(self.model, self.optimizer)
+        self.state = LoopState(**dist.broadcast_object(asdict(self.state), "loop_state"))
 
 
-@dataclass
-class Prepared:
-    """Everything the loop needs, checked on every rank before any rank starts training."""
-
-    transform: FeatureTransform
-    arrays: Arrays
-    model: nn.Module
-    shard_rows: int  # the longest shard of any rank, in rows
-    records: Records | None
-
-
-def agreed(step: Callable[[], T]) -> T:
-    """Run a preparation step on every rank; if it fails with bad input on any rank, every
-    rank raises the same InputError here, so no rank is left waiting in a collective."""
-    error, value = None, None
-    try:
-        value = step()
-    except InputError as exc:
-        error = str(exc)
-    dist.agree_on_error(error)
-    return value  # type: ignore[return-value]
-
-
-def read_rows(config: TrainConfig, world: dist.World) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(the rows this rank trains from, its disjoint part of the rows for fitting statistics).
-
-    By default every rank reads the whole frame and fits on a 1/size slice of it; with
-    --shard-read a rank reads only its own row groups and fits on all of them.
-    """
-    if config.data is None:
-        frame = make_demo_frame(DEMO_ROWS, DEMO_FEATURES, seed=config.seed)
-    elif config.shard_read:
-        if format_of(config.data, config.format) != "parquet":
-            raise InputError("--shard-read reads parquet files only; convert the data to parquet")
-        frame = read_parquet_shard(config.data, world.rank, world.size).frame
-        return frame, frame
-    else:
-        frame = read_frame(config.data, config.format)
-    if len(frame) < world.size:
-        raise InputError(
-            f"the data has {len(frame)} row(s), fewer than the {world.size} ranks; "
-            "use fewer ranks (-np) or more rows"
-        )
-    rows = len(frame)
-    part = frame.iloc[world.rank * rows // world.size : (world.rank + 1) * rows // world.size]
-    return frame, part
-
-
-def build_model(config: TrainConfig, transform: FeatureTransform) -> nn.Module:
-    """The user's Module if --model names one, else the MLP; seeded, so every rank builds the
-    same start (rank 0's parameters are broadcast anyway)."""
-    torch.manual_seed(config.seed)
-    if config.model:
-        return build_user_model(config.model, transform.n_features, transform.n_outputs)
-    return Network(transform.n_features, config.hidden, transform.n_outputs, config.activation)
-
-
-def encode(config: TrainConfig, world: dist.World) -> tuple[FeatureTransform, Arrays]:
-    """Read this rank's rows, fit the transformation over all ranks, and encode the rows.
-    The DataFrame is dropped on return: the matrices are all that training needs."""
-    frame, part = agreed(lambda: read_rows(config, world))
-    selection = Selection(config.targets, config.features, config.drop)
-    collectives = dist.Collectives()
-    transform = agreed(
-        lambda: fit(
-            part,
-            selection,
-            config.task,
-            config.max_categories,
-            config.standardize_target,
-            collectives,
-        )
-    )
-    return transform, transform.arrays(frame)
-
-
-def prepare(config: TrainConfig, world: dist.World, lr: float) -> Prepared:
-    """Read, fit, encode and build on every rank, agreeing on bad input after each step."""
-    transform, arrays = encode(config, world)
-    shard_lengths = dist.gather(len(arrays), name="shard_rows")
-    if config.shard_read and min(shard_lengths) == 0:
-        rank = shard_lengths.index(0)
-        raise InputError(f"rank {rank}'s row groups hold no row with a usable target")
-    if not config.shard_read and len(arrays) < world.size:
-        raise InputError(f"only {len(arrays)} row(s) have a usable target, fewer than the ranks")
-    model = agreed(lambda: build_model(config, transform))
-
-    def open_records() -> Records | None:
-        if not world.is_root:
-            return None
-        try:
-            return Records(config.output, world.size, lr)
-        except OSError as exc:
-            raise InputError(
-                f"cannot write to output folder {config.output}: {exc.strerror}; "
-                "choose another --output"
-            ) from exc
-
-    records = agreed(open_records)
-    if records:
-        records.notes(transform.report.lines())
-    shard_rows = max(shard_lengths) if config.shard_read else len(arrays)
-    return Prepared(transform, arrays, model, shard_rows, records)
+def exported(config: TrainConfig, model: nn.Module, transform: FeatureTransform) -> dict[str, Any]:
+    """model.pt: the weights and everything predict needs to rebuild the model and its inputs."""
+    return {
+        "format": checkpoint.MODEL_FORMAT,
+        "state_dict": model.state_dict(),
+        "features": transform.to_dict(),
+        "architecture": {
+            "model": config.model,
+            "hidden": list(config.hidden),
+            "activation": config.activation,
+            "n_features": transform.n_features,
+            "n_outputs": transform.n_outputs,
+        },
+        "config": config.to_dict(),
+    }
 
 
 def train(config: TrainConfig) -> TrainResult:
-    """Train on the configured frame; call on every rank of the job."""
+    """Train as configured; call on every rank of the job (a plain process is a job of one)."""
     world = dist.init(config.threads)
-    lr = config.lr * (world.size if config.scale_lr else 1)
-    prepared = prepare(config, world, lr)
+    prepared = prepare(config, world)
     model = prepared.model
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
 
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    dist.broadcast_training_state(model, optimizer)
     if config.shard_read:
         sampler = LocalShardSampler(
-            len(prepared.arrays), prepared.shard_rows, world.rank, config.shuffle, config.seed
+            len(prepared.train_rows), prepared.train_length, world.rank, config.shuffle, config.seed
         )
     else:
         sampler = global_sampler(
-            len(prepared.arrays), world.rank, world.size, config.shuffle, config.seed
+            len(prepared.train_rows), world.rank, world.size, config.shuffle, config.seed
         )
-    batches = ShardedBatches(prepared.arrays, config.batch_size, sampler)
-    classification = config.task == "classification"
-    trainer = Trainer(model, dist.wrap_optimizer(optimizer, model), batches, classification)
+    batches = ShardedBatches(prepared.arrays, prepared.train_rows, config.batch_size, sampler)
+    has_validation = dist.sum_over_ranks(torch.tensor([len(prepared.val_rows)]), "val_rows") > 0
+    validation = Validation(prepared) if has_validation else None
+    trainer = Trainer(
+        config, model, dist.wrap_optimizer(optimizer, model), batches, validation, world.size
+    )
+    trainer.restore(prepared.resumed)
 
-    result = TrainResult(model, prepared.transform)
-    records = prepared.records
-    while trainer.epoch < config.epochs:
-        metrics = trainer.run_epoch()
-        result.history.append(metrics)
+    records = Records(config, world.size) if world.is_root else None
+    if records:
+        records.start(prepared.transform.report.lines(), trainer.state.history)
+    while not trainer.done():
+        progress = records.progress(trainer.state.epoch + 1, len(batches)) if records else None
+        metrics = trainer.run_epoch(progress)
         if records:
             records.epoch(metrics)
+            last = trainer.done()
+            if last or metrics.epoch % config.checkpoint_every == 0:
+                checkpoint.save(
+                    trainer.checkpoint(prepared.transform), config.output / checkpoint.CHECKPOINT
+                )
 
     reports = dist.gather(
         {
@@ -233,6 +259,7 @@ def train(config: TrainConfig) -> TrainResult:
             "pid": os.getpid(),
             "threads": world.threads,
             "shard_rows": len(sampler),
+            "epochs_run": trainer.state.epoch,
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "param_sha256": parameter_digest(model),
         },
@@ -241,5 +268,8 @@ def train(config: TrainConfig) -> TrainResult:
     if records:
         records.ranks(reports)
         records.features(prepared.transform.to_dict())
-        save_model(model, config.output / "model.pt")
-    return result
+        checkpoint.save(
+            exported(config, model, prepared.transform), config.output / checkpoint.MODEL
+        )
+        records.summary(trainer.state)
+    return TrainResult(model, prepared.transform, trainer.state.history)

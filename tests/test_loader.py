@@ -19,7 +19,9 @@ def make_arrays(rows: int, features: int = 3) -> Arrays:
 def shards(rows: int, size: int, shuffle: bool, epoch: int, batch_size: int = 7):
     arrays = make_arrays(rows)
     loaders = [
-        ShardedBatches(arrays, batch_size, global_sampler(rows, r, size, shuffle, seed=3))
+        ShardedBatches(
+            arrays, torch.arange(rows), batch_size, global_sampler(rows, r, size, shuffle, seed=3)
+        )
         for r in range(size)
     ]
     for loader in loaders:
@@ -56,10 +58,11 @@ def test_epochs_reshuffle_the_same_way_on_every_rank() -> None:
 
 @pytest.mark.parametrize("rank", [0, 2])
 def test_batches_hold_exactly_the_sampled_rows_in_order(rank: int) -> None:
-    arrays = make_arrays(50)
-    loader = ShardedBatches(arrays, 4, global_sampler(50, rank, 3, shuffle=True, seed=1))
+    arrays = make_arrays(55)
+    rows = torch.arange(5, 55)  # rows 0-4 held out
+    loader = ShardedBatches(arrays, rows, 4, global_sampler(50, rank, 3, shuffle=True, seed=1))
     loader.set_epoch(5)
-    wanted = list(loader.sampler)
+    wanted = rows[list(loader.sampler)].tolist()
     batches = list(loader)
     assert [len(x) for x, _ in batches] == [4, 4, 4, 4, 1]
     got_x = torch.cat([x for x, _ in batches])

@@ -123,7 +123,8 @@ def test_classification_reports_accuracy_over_all_ranks(messy: Path, tmp_path: P
     accuracy = losses(tmp_path, "train_accuracy")
     assert accuracy[-1] > accuracy[0] and accuracy[-1] > 0.6  # 3 classes: chance is 1/3
     epoch_lines = [text for rank, text in job.rank_lines(0) if text.startswith("Epoch")]
-    assert epoch_lines[-1].split("Train Accuracy: ")[1] == f"{accuracy[-1]:.4f}"
+    assert f"Train Accuracy: {accuracy[-1]:.4f}, Val Loss: " in epoch_lines[-1]
+    assert losses(tmp_path, "val_accuracy")[-1] > 0.6
 
 
 def test_shard_reads_fit_the_same_statistics_with_a_fraction_of_the_rows(tmp_path: Path) -> None:
@@ -140,9 +141,9 @@ def test_shard_reads_fit_the_same_statistics_with_a_fraction_of_the_rows(tmp_pat
         [c["std"] for c in shard["outputs"]], [c["std"] for c in full["outputs"]], rtol=1e-12
     )
     ranks = read_json(tmp_path / "shard" / "ranks.json")
-    valid = int(frame["target"].notna().sum())
-    assert sum(r["shard_rows"] for r in ranks) >= valid  # the shorter shard is padded
-    assert all(r["shard_rows"] < 0.6 * valid for r in ranks)
+    trained = round(int(frame["target"].notna().sum()) * 0.9)  # 10% held out for validation
+    assert sum(r["shard_rows"] for r in ranks) >= trained - 1  # the shorter shard is padded
+    assert all(r["shard_rows"] < 0.6 * trained for r in ranks)
     history = losses(tmp_path / "shard")
     assert history[-1] < history[0]
 
@@ -167,5 +168,5 @@ def test_several_targets_are_several_outputs(tmp_path: Path) -> None:
         str(tmp_path / "out"),
     )
     assert job.returncode == 0, job.stderr
-    state = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    state = torch.load(tmp_path / "out" / "model.pt", weights_only=True)["state_dict"]
     assert state["linear_2.weight"].shape[0] == 2

@@ -139,6 +139,7 @@ class FeatureTransform:
     classes: tuple[Any, ...] = ()  # classification: label of each class index
     target_scale: tuple[OutputColumn, ...] = ()  # regression with --standardize-target
     report: FitReport = field(default_factory=FitReport)
+    ignored: tuple[str, ...] = ()  # columns the training data had but did not use
 
     @property
     def n_features(self) -> int:
@@ -204,6 +205,7 @@ class FeatureTransform:
             classes=tuple(data["classes"]),
             target_scale=tuple(OutputColumn(**c) for c in data["target_scale"]),
             report=FitReport(**data["report"]),
+            ignored=tuple(data["ignored"]),
         )
 
 
@@ -259,8 +261,17 @@ def fit(
     report.filled = {
         c.name: int(n) for c, n in zip(inputs, missing, strict=True) if n and c.name in used
     }
+    chosen = {*feature_names, *selection.targets}
+    ignored = tuple(str(c) for c in frame.columns if str(c) not in chosen)
     return FeatureTransform(
-        task, selection.targets, tuple(inputs), tuple(outputs), classes, target_scale, report
+        task,
+        selection.targets,
+        tuple(inputs),
+        tuple(outputs),
+        classes,
+        target_scale,
+        report,
+        ignored,
     )
 
 

@@ -11,6 +11,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hvd_cpu.checkpoint import atomic_write
 from hvd_cpu.errors import InputError
 
 
@@ -136,5 +137,6 @@ def assign_row_groups(rows: list[int], size: int) -> list[range]:
 
 
 def write_frame(frame: pd.DataFrame, path: Path) -> None:
-    """Write a DataFrame in the format its extension names."""
-    WRITERS[format_of(path)](frame, path)
+    """Write a DataFrame in the format its extension names, atomically."""
+    writer = WRITERS[format_of(path)]
+    atomic_write(path, lambda handle: writer(frame, handle))

@@ -57,11 +57,18 @@ class LocalShardSampler:
 
 
 class ShardedBatches:
-    """Iterates over (x, y) batches in the sampler's order; call set_epoch before each epoch."""
+    """Iterates over (x, y) batches in the sampler's order; call set_epoch before each epoch.
 
-    def __init__(self, arrays: Arrays, batch_size: int, sampler: EpochSampler) -> None:
+    `rows` are the row numbers of `arrays` to train on (the rest are held out for
+    validation); the sampler picks positions in `rows`, so no subset is ever copied.
+    """
+
+    def __init__(
+        self, arrays: Arrays, rows: torch.Tensor, batch_size: int, sampler: EpochSampler
+    ) -> None:
         self.x = torch.from_numpy(arrays.x)
         self.y = torch.from_numpy(arrays.y)
+        self.rows = rows
         self.batch_size = batch_size
         self.sampler = sampler
 
@@ -71,7 +78,7 @@ class ShardedBatches:
 
     def indices(self) -> torch.Tensor:
         """The row numbers of this rank's shard for the current epoch, in batch order."""
-        return torch.tensor(list(self.sampler), dtype=torch.long)
+        return self.rows[torch.tensor(list(self.sampler), dtype=torch.long)]
 
     def __len__(self) -> int:
         return -(-len(self.sampler) // self.batch_size)

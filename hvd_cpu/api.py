@@ -1,0 +1,59 @@
+"""Train from Python: `hvd_cpu.fit(frame, target="y", np=4)` from a script or a notebook.
+
+It launches the ranks itself (Horovod's programmatic launcher, no horovodrun command), runs
+the same training as `hvd-cpu train`, and returns rank 0's model and metrics.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from hvd_cpu import dist
+from hvd_cpu.config import TrainConfig
+from hvd_cpu.errors import InputError
+from hvd_cpu.train import TrainResult, train
+
+
+def _rank_main(config: TrainConfig) -> TrainResult | InputError | None:
+    """What each rank runs: bad input comes back as a value so fit() can raise it cleanly."""
+    try:
+        result = train(config)
+    except InputError as exc:
+        return exc
+    return result if dist.launch_rank() == 0 else None
+
+
+def fit(
+    data: pd.DataFrame | str | Path,
+    target: str | tuple[str, ...] = "target",
+    np: int = 4,
+    hosts: str | None = None,
+    **options: Any,
+) -> TrainResult:
+    """Train on `data` (a DataFrame, or a path to a frame file) with `np` CPU processes.
+
+    `options` are the fields of TrainConfig (the long option names of `hvd-cpu train` with
+    underscores: epochs=20, batch_size=256, val_fraction=0.2, output="runs/x", ...).
+    `hosts` is horovodrun's -H ("host1:2,host2:2"); by default all ranks run here.
+    Raises InputError for bad input, with the same message the command line prints.
+    """
+    targets = (target,) if isinstance(target, str) else tuple(target)
+    config = TrainConfig(targets=targets, **options)
+    with tempfile.TemporaryDirectory(prefix="hvd-cpu-fit-") as folder:
+        if isinstance(data, pd.DataFrame):
+            # Pickle keeps every dtype exactly; this file is ours, so loading it is safe.
+            path = Path(folder) / "frame.pkl"
+            data.to_pickle(path)
+        else:
+            path = Path(data)
+        config = replace(config, data=path, output=Path(config.output).absolute())
+        results = dist.launch(_rank_main, (config,), np=np, hosts=hosts)
+    errors = [r for r in results if isinstance(r, InputError)]
+    if errors:
+        raise errors[0]
+    return results[0]

@@ -1,0 +1,114 @@
+"""Predictions from an exported model: the stored feature transformation, then the model.
+
+Under horovodrun each rank predicts a contiguous block of rows and rank 0 writes them, in
+the input's order, as one file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+
+from hvd_cpu import dist
+from hvd_cpu.checkpoint import load_model_file
+from hvd_cpu.data.features import FeatureTransform
+from hvd_cpu.data.frames import format_of, read_frame, write_frame
+from hvd_cpu.errors import InputError
+from hvd_cpu.models import build_model
+from hvd_cpu.prepare import agreed
+
+CHUNK = 8192  # rows per forward pass
+
+
+@dataclass(frozen=True)
+class PredictConfig:
+    """The options of `hvd-cpu predict`."""
+
+    model_path: Path
+    data: Path
+    output: Path
+    format: str | None = None
+    id_column: str | None = None
+    overwrite: bool = False
+
+
+def load(config: PredictConfig) -> tuple[nn.Module, FeatureTransform, pd.DataFrame]:
+    """The model, its transformation and the new rows, with their columns checked."""
+    format_of(config.output)
+    if config.output.exists() and not config.overwrite:
+        raise InputError(f"{config.output} exists; pass --overwrite to replace it")
+    artifact = load_model_file(config.model_path)
+    transform = FeatureTransform.from_dict(artifact["features"])
+    model = build_model(**artifact["architecture"])
+    model.load_state_dict(artifact["state_dict"])
+    frame = read_frame(config.data, config.format)
+    check_columns(frame, transform, config.id_column)
+    return model, transform, frame
+
+
+def check_columns(frame: pd.DataFrame, transform: FeatureTransform, id_column: str | None) -> None:
+    """The new frame must hold the training's feature columns and nothing it did not know."""
+    columns = [str(c) for c in frame.columns]
+    missing = [c.name for c in transform.inputs if c.name not in columns]
+    if missing:
+        raise InputError(
+            f"the data lacks the feature column(s) {', '.join(missing)} that the model was "
+            "trained on; add them (missing values are allowed)"
+        )
+    if id_column is not None and id_column not in columns:
+        raise InputError(f"--id column {id_column!r} is not in the data")
+    known = {c.name for c in transform.inputs} | {*transform.targets, *transform.ignored}
+    extra = [c for c in columns if c not in known and c != id_column]
+    if extra:
+        raise InputError(
+            f"the data has column(s) {', '.join(extra)} that the model's training data did not "
+            "have; drop them, or name an identifier column with --id"
+        )
+
+
+def predictions(
+    model: nn.Module, transform: FeatureTransform, frame: pd.DataFrame, id_column: str | None
+) -> pd.DataFrame:
+    """One row of predictions per row of `frame`, in order."""
+    x = torch.from_numpy(transform.features(frame))
+    model.eval()
+    with torch.no_grad():
+        out = torch.cat([model(chunk) for chunk in x.split(CHUNK)]) if len(x) else torch.zeros(0)
+    result: dict[str, Any] = {}
+    if id_column is not None:
+        result[id_column] = frame[id_column].to_numpy()
+    if transform.task == "classification":
+        probabilities = torch.softmax(out, dim=1).numpy()
+        result["prediction"] = [transform.classes[i] for i in probabilities.argmax(axis=1)]
+        for i, label in enumerate(transform.classes):
+            result[f"probability_{label}"] = probabilities[:, i]
+    else:
+        values = out.double().numpy()
+        for i, scale in enumerate(transform.target_scale):
+            values[:, i] = values[:, i] * scale.std + scale.mean
+        names = (
+            ["prediction"]
+            if len(transform.targets) == 1
+            else [f"prediction_{t}" for t in transform.targets]
+        )
+        result.update({name: values[:, i] for i, name in enumerate(names)})
+    return pd.DataFrame(result, index=frame.index)
+
+
+def predict(config: PredictConfig) -> pd.DataFrame | None:
+    """Predict on every rank's block of rows; rank 0 writes them all and returns them."""
+    world = dist.init()
+    model, transform, frame = agreed(lambda: load(config))
+    rows = len(frame)
+    block = frame.iloc[world.rank * rows // world.size : (world.rank + 1) * rows // world.size]
+    parts = dist.gather(predictions(model, transform, block, config.id_column), "predictions")
+    if not world.is_root:
+        return None
+    result = pd.concat(parts).reset_index(drop=True)
+    write_frame(result, config.output)
+    return result

@@ -1,0 +1,176 @@
+"""Everything before the first step, on every rank: output checks, reading, fitting, encoding,
+splitting off validation rows, building the model.
+
+Each step that can meet bad input runs through `agreed`: if any rank fails, every rank raises
+the same InputError at the same point, so none is left waiting in a collective and rank 0
+reports it once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from hvd_cpu import checkpoint, dist
+from hvd_cpu.config import DEMO_FEATURES, DEMO_ROWS, TrainConfig
+from hvd_cpu.data.demo import make_demo_frame
+from hvd_cpu.data.features import Arrays, FeatureTransform, Selection, fit
+from hvd_cpu.data.frames import format_of, read_frame, read_parquet_shard
+from hvd_cpu.errors import InputError
+from hvd_cpu.models import build_model
+
+T = TypeVar("T")
+
+
+@dataclass
+class Prepared:
+    """What the training loop starts from; identical in shape on every rank."""
+
+    transform: FeatureTransform
+    arrays: Arrays
+    train_rows: torch.Tensor  # rows of `arrays` to train on (all ranks' pool, or this shard's)
+    val_rows: torch.Tensor  # this rank's validation rows
+    train_length: int  # --shard-read: the longest shard's training rows (others pad to it)
+    model: nn.Module
+    resumed: dict[str, Any] | None  # rank 0: the checkpoint to continue from
+
+
+def agreed(step: Callable[[], T]) -> T:
+    """Run a step on every rank; bad input on any rank ends every rank here, together."""
+    error, value = None, None
+    try:
+        value = step()
+    except InputError as exc:
+        error = str(exc)
+    dist.agree_on_error(error)
+    return value  # type: ignore[return-value]
+
+
+def check_output(config: TrainConfig, world: dist.World) -> dict[str, Any] | None:
+    """Rank 0: refuse to overwrite an earlier run's checkpoint, or load it for --resume."""
+    if not world.is_root:
+        return None
+    try:
+        config.output.mkdir(parents=True, exist_ok=True)
+        probe = config.output / ".hvd-cpu-write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise InputError(
+            f"cannot write to output folder {config.output}: {exc.strerror}; "
+            "choose another --output"
+        ) from exc
+    path = config.output / checkpoint.CHECKPOINT
+    if config.resume:
+        state = checkpoint.load(path, "checkpoint to resume")
+        earlier = state["config"]
+        now = config.to_dict()
+        changed = [k for k in TrainConfig.ARCHITECTURE if earlier[k] != now[k]]
+        if changed:
+            was = ", ".join(f"{k}={earlier[k]!r}" for k in changed)
+            raise InputError(
+                f"the checkpoint in {config.output} was trained with {was}; resume with the "
+                "same options, or start again with --overwrite"
+            )
+        return state
+    if path.exists() and not config.overwrite:
+        raise InputError(
+            f"{config.output} holds a checkpoint from an earlier run; pass --resume to continue "
+            "it or --overwrite to start again, or choose another --output"
+        )
+    return None
+
+
+def read_rows(config: TrainConfig, world: dist.World) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(the rows this rank trains from, its disjoint part of the rows for fitting statistics).
+
+    By default every rank reads the whole frame and fits on a 1/size slice of it; with
+    --shard-read a rank reads only its own row groups and fits on all of them.
+    """
+    if config.data is None:
+        frame = make_demo_frame(DEMO_ROWS, DEMO_FEATURES, seed=config.seed)
+    elif config.shard_read:
+        if format_of(config.data, config.format) != "parquet":
+            raise InputError("--shard-read reads parquet files only; convert the data to parquet")
+        frame = read_parquet_shard(config.data, world.rank, world.size).frame
+        return frame, frame
+    else:
+        frame = read_frame(config.data, config.format)
+    if len(frame) < world.size:
+        raise InputError(
+            f"the data has {len(frame)} row(s), fewer than the {world.size} ranks; "
+            "use fewer ranks (-np) or more rows"
+        )
+    rows = len(frame)
+    part = frame.iloc[world.rank * rows // world.size : (world.rank + 1) * rows // world.size]
+    return frame, part
+
+
+def encode(
+    config: TrainConfig, world: dist.World, fitted: dict[str, Any] | None
+) -> tuple[FeatureTransform, Arrays]:
+    """Read this rank's rows, fit the transformation over all ranks (or take the resumed
+    one), and encode the rows. The DataFrame is dropped on return."""
+    frame, part = agreed(lambda: read_rows(config, world))
+    if fitted is not None:
+        transform = FeatureTransform.from_dict(fitted)
+    else:
+        selection = Selection(config.targets, config.features, config.drop)
+        collectives = dist.Collectives()
+        transform = agreed(
+            lambda: fit(
+                part,
+                selection,
+                config.task,
+                config.max_categories,
+                config.standardize_target,
+                collectives,
+            )
+        )
+    return transform, agreed(lambda: transform.arrays(frame))
+
+
+def split(rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training rows, validation rows): a hold-out fixed by the seed, sorted."""
+    order = np.random.default_rng(seed).permutation(rows)
+    held = round(rows * fraction)
+    return torch.from_numpy(np.sort(order[held:])), torch.from_numpy(np.sort(order[:held]))
+
+
+def prepare(config: TrainConfig, world: dist.World) -> Prepared:
+    """Check the output, read, fit, encode, split and build on every rank, agreeing on bad
+    input after each step."""
+    resumed = agreed(lambda: check_output(config, world))
+    fitted = dist.broadcast_object(resumed["features"] if resumed else None, "fitted")
+    transform, arrays = encode(config, world, fitted)
+
+    if config.shard_read:  # each rank holds its own rows: hold out some of them
+        train_rows, val_rows = split(len(arrays), config.val_fraction, config.seed + world.rank)
+    else:  # every rank holds all rows: hold out the same ones, then share them out
+        train_rows, val_rows = split(len(arrays), config.val_fraction, config.seed)
+        val_rows = val_rows[world.rank :: world.size]
+    lengths = dist.gather(len(train_rows), name="train_rows")
+    if min(lengths) == 0 or (not config.shard_read and lengths[0] < world.size):
+        raise InputError(
+            f"too few rows with a usable target to train {world.size} rank(s) "
+            f"({lengths[world.rank]} here after holding out --val-fraction {config.val_fraction})"
+        )
+
+    def build() -> nn.Module:
+        torch.manual_seed(config.seed)  # every rank builds the same start; rank 0's is broadcast
+        return build_model(
+            config.model,
+            config.hidden,
+            config.activation,
+            transform.n_features,
+            transform.n_outputs,
+        )
+
+    model = agreed(build)
+    return Prepared(transform, arrays, train_rows, val_rows, max(lengths), model, resumed)
