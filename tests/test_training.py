@@ -1,0 +1,229 @@
+"""Training people can trust: validation, early stopping, checkpoints, resume, predict, API."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from hvd_cpu.checkpoint import CHECKPOINT, atomic_write, load
+
+from .conftest import BIN, horovodrun, hvd_cpu, run
+
+RESULTS = ("epoch", "train_loss", "val_loss", "samples", "lr", "world_size")
+
+
+def history(output: Path) -> list[dict]:
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k in RESULTS} for line in lines]
+
+
+def ranks(output: Path) -> list[dict]:
+    return json.loads((output / "ranks.json").read_text())
+
+
+def weights(output: Path) -> dict[str, torch.Tensor]:
+    return torch.load(output / "model.pt", weights_only=True)["state_dict"]
+
+
+@pytest.fixture(scope="module")
+def frame_20k(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "demo20k.parquet"
+    made = hvd_cpu("make-demo-data", str(path), "--rows", "20000", "--features", "8")
+    assert made.returncode == 0, made.stderr
+    return path
+
+
+def test_a_killed_run_resumed_ends_where_an_uninterrupted_one_does(
+    frame_20k: Path, tmp_path: Path
+) -> None:
+    args = ["train", "--data", str(frame_20k), "--epochs", "6", "--warmup-epochs", "2"]
+    whole = horovodrun(2, *args, "--output", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+
+    # The same job, killed (SIGKILL to horovodrun) once it has checkpointed epoch 2.
+    killed = tmp_path / "killed"
+    command = [str(BIN / "horovodrun"), "-np", "2", "--disable-cache", str(BIN / "hvd-cpu")]
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    job = subprocess.Popen(
+        [*command, *args, "--output", str(killed)], env=env, stdout=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 120
+    while not (killed / "metrics.jsonl").exists() or len(history(killed)) < 2:
+        assert job.poll() is None and time.monotonic() < deadline, "the job ended too early"
+        time.sleep(0.05)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    for _ in range(100):  # ranks notice the launcher is gone and end
+        if not subprocess.run(["pgrep", "-f", str(killed)], capture_output=True).stdout:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("ranks outlived the killed horovodrun")
+    stopped_at = load(killed / CHECKPOINT, "checkpoint")["loop"]["epoch"]
+    assert 2 <= stopped_at < 6
+
+    resumed = horovodrun(2, *args, "--output", str(killed), "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    epochs = [t for r, t in resumed.rank_lines(0) if t.startswith("Epoch")]
+    assert epochs[0].startswith(f"Epoch {stopped_at + 1}:")
+    assert history(killed) == history(tmp_path / "whole")
+    for name, value in weights(tmp_path / "whole").items():
+        torch.testing.assert_close(weights(killed)[name], value, rtol=0, atol=0)
+    lrs = [h["lr"] for h in history(killed)]
+    assert lrs[0] == pytest.approx(1e-3) and lrs[2:] == pytest.approx([2e-3] * 4)  # warm-up
+
+
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / CHECKPOINT
+    atomic_write(path, lambda handle: torch.save({"epoch": 1}, handle))
+    script = f"""
+        import sys, time
+        from pathlib import Path
+        from hvd_cpu.checkpoint import atomic_write
+
+        def write(handle):
+            handle.write(b"half a checkpoint" * 1000)
+            handle.flush()
+            print("writing", flush=True)
+            time.sleep(60)
+
+        atomic_write(Path({str(path)!r}), write)
+    """
+    writer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True
+    )
+    assert writer.stdout.readline().strip() == "writing"
+    writer.kill()
+    writer.wait()
+    assert load(path, "checkpoint") == {"epoch": 1}
+    assert len(list(tmp_path.glob(f".{CHECKPOINT}.*.tmp"))) == 1  # the torn write, aside
+    atomic_write(path, lambda handle: torch.save({"epoch": 2}, handle))
+    assert load(path, "checkpoint") == {"epoch": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT]
+
+
+def test_an_earlier_run_is_never_overwritten_by_accident(tmp_path: Path) -> None:
+    first = hvd_cpu("train", "--epochs", "2", "--output", str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    before = (tmp_path / CHECKPOINT).read_bytes()
+
+    again = hvd_cpu("train", "--epochs", "2", "--output", str(tmp_path))
+    assert again.returncode == 2
+    assert "holds a checkpoint from an earlier run; pass --resume" in again.stderr
+    assert "--overwrite" in again.stderr
+    assert (tmp_path / CHECKPOINT).read_bytes() == before
+
+    other = hvd_cpu("train", "--hidden", "8", "--resume", "--output", str(tmp_path))
+    assert other.returncode == 2
+    assert "was trained with hidden=[32]; resume with the same options" in other.stderr
+
+    fresh = hvd_cpu("train", "--epochs", "1", "--overwrite", "--output", str(tmp_path))
+    assert fresh.returncode == 0, fresh.stderr
+    assert len(history(tmp_path)) == 1
+
+    nothing = hvd_cpu("train", "--resume", "--output", str(tmp_path / "empty"))
+    assert nothing.returncode == 2
+    assert "no checkpoint to resume at" in nothing.stderr
+
+
+def test_early_stopping_ends_every_rank_at_the_same_epoch(frame_20k: Path, tmp_path: Path) -> None:
+    job = horovodrun(
+        2, "train", "--data", str(frame_20k), "--epochs", "60", "--patience", "2",
+        "--lr", "0.01", "--output", str(tmp_path),
+    )  # fmt: skip
+    assert job.returncode == 0, job.stdout + job.stderr
+    epochs = {r["epochs_run"] for r in ranks(tmp_path)}
+    assert len(epochs) == 1
+    stopped = epochs.pop()
+    assert stopped < 60
+    losses = [h["val_loss"] for h in history(tmp_path)]
+    assert len(losses) == stopped
+    best = losses.index(min(losses)) + 1
+    assert stopped == best + 2  # two epochs without a better validation loss
+    summary = "\n".join(t for _, t in job.rank_lines(0))
+    assert f"best epoch            {best}" in summary
+
+
+def test_predictions_are_the_same_from_one_rank_or_two(frame_20k: Path, tmp_path: Path) -> None:
+    trained = hvd_cpu("train", "--data", str(frame_20k), "--epochs", "2", "--output",
+                      str(tmp_path / "model"))  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    new = pd.read_parquet(frame_20k).drop(columns="target").iloc[:5001]
+    new.insert(0, "row_id", [f"r{i}" for i in range(len(new))])
+    new.to_parquet(tmp_path / "new.parquet")
+
+    args = ["predict", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "new.parquet")]
+    one = hvd_cpu(*args, "--id", "row_id", "--output", str(tmp_path / "one.csv"))
+    two = horovodrun(2, *args, "--id", "row_id", "--output", str(tmp_path / "two.csv"))
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stdout + two.stderr
+    first, second = pd.read_csv(tmp_path / "one.csv"), pd.read_csv(tmp_path / "two.csv")
+    assert list(first.columns) == ["row_id", "prediction"]
+    assert first["row_id"].tolist() == new["row_id"].tolist()
+    pd.testing.assert_frame_equal(first, second, rtol=0, atol=1e-6)
+
+    # the model predicts what it learnt: the demo's noise floor is an MSE of 0.01
+    truth = pd.read_parquet(frame_20k)["target"].iloc[:5001].to_numpy()
+    assert ((first["prediction"].to_numpy() - truth) ** 2).mean() < 0.05
+
+    new.drop(columns="x3").to_parquet(tmp_path / "missing.parquet")
+    missing = hvd_cpu(*args[:-1], str(tmp_path / "missing.parquet"), "--output",
+                      str(tmp_path / "m.csv"))  # fmt: skip
+    assert missing.returncode == 2 and "lacks the feature column(s) x3" in missing.stderr
+    extra = hvd_cpu(*args, "--output", str(tmp_path / "e.csv"))  # row_id not named with --id
+    assert extra.returncode == 2 and "has column(s) row_id that the model" in extra.stderr
+
+
+def test_fit_runs_two_ranks_from_a_plain_python_process(tmp_path: Path) -> None:
+    script = f"""
+        import hvd_cpu
+        from hvd_cpu.data.demo import make_demo_frame
+        from hvd_cpu.errors import InputError
+
+        frame = make_demo_frame(4000, 6, seed=1)
+        result = hvd_cpu.fit(frame, target="target", np=2, epochs=3, quiet=True,
+                             output={str(tmp_path / "api")!r})
+        print("worlds", [h["world_size"] for h in result.history])
+        print("losses", [round(h["train_loss"], 4) for h in result.history])
+        print("features", result.model.linear_1.in_features)
+        try:
+            hvd_cpu.fit(frame, target="price", np=2, output={str(tmp_path / "bad")!r})
+        except InputError as exc:
+            print("error", exc)
+    """
+    job = run([sys.executable, "-c", textwrap.dedent(script)], timeout=300)
+    assert job.returncode == 0, job.stdout + job.stderr
+    lines = dict(line.split(" ", 1) for line in job.stdout.splitlines() if " " in line)
+    assert lines["worlds"] == "[2, 2, 2]"
+    losses = json.loads(lines["losses"])
+    assert losses[-1] < losses[0]
+    assert lines["features"] == "6"
+    assert lines["error"].startswith("target column 'price' not in the data")
+    assert history(tmp_path / "api")[-1]["train_loss"] == pytest.approx(losses[-1], abs=1e-4)
+
+
+def test_a_terminal_gets_a_progress_bar_and_plot_draws_the_curves(
+    frame_20k: Path, tmp_path: Path
+) -> None:
+    hvd = BIN / "hvd-cpu"
+    train = f"{hvd} train --data {frame_20k} --epochs 2 --batch-size 16 --output {tmp_path}"
+    # script(1) gives the command a pseudo-terminal; stty gives that terminal a width
+    job = run(["script", "-qec", f"stty cols 120 rows 40; {train}", "/dev/null"])
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert "rows/s, loss" in job.stdout and "Epoch 2: Train Loss" in job.stdout
+
+    plotted = hvd_cpu("plot", str(tmp_path))
+    assert plotted.returncode == 0, plotted.stderr
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    quiet = hvd_cpu("train", "--quiet", "--overwrite", "--output", str(tmp_path))
+    assert quiet.returncode == 0 and quiet.stdout == ""
