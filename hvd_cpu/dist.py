@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import horovod
 import horovod.torch as hvd
 import numpy as np
 import torch
@@ -100,8 +101,6 @@ def launch(
 ) -> list[Any]:
     """Run `func(*args)` on `np` new ranks over Gloo (Horovod's programmatic launcher, what
     horovodrun does for a command) and return every rank's result, in rank order."""
-    import horovod
-
     return horovod.run(func, args=args, np=np, hosts=hosts, use_gloo=True, disable_cache=True)
 
 

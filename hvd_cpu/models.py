@@ -78,6 +78,12 @@ def load_model_class(spec: str) -> type[nn.Module]:
     return cls
 
 
+def portable_spec(spec: str) -> str:
+    """A --model spec that still works from another working directory (FILE.py made absolute)."""
+    where, _, name = spec.rpartition(":")
+    return f"{Path(where).absolute()}:{name}" if where.endswith(".py") else spec
+
+
 def build_user_model(spec: str, n_features: int, n_outputs: int) -> nn.Module:
     """Build the user's class as `ClassName(n_features=..., n_outputs=...)` and check that its
     forward returns one row of n_outputs per input row."""

@@ -23,7 +23,7 @@ from hvd_cpu import checkpoint, dist
 from hvd_cpu.config import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.data.loader import LocalShardSampler, ShardedBatches, global_sampler
-from hvd_cpu.models import parameter_digest
+from hvd_cpu.models import parameter_digest, portable_spec
 from hvd_cpu.prepare import Prepared, prepare
 from hvd_cpu.records import EpochMetrics, Progress, Records
 
@@ -204,7 +204,7 @@ def exported(config: TrainConfig, model: nn.Module, transform: FeatureTransform)
         "state_dict": model.state_dict(),
         "features": transform.to_dict(),
         "architecture": {
-            "model": config.model,
+            "model": config.model and portable_spec(config.model),
             "hidden": list(config.hidden),
             "activation": config.activation,
             "n_features": transform.n_features,
