@@ -263,6 +263,36 @@ def plot(output: Path) -> None:
     click.echo(f"wrote {plot_losses(output)}")
 
 
+@cli.command()
+@click.option(
+    "--hostfile",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="The host file you will give horovodrun. Default: this host only.",
+)
+@click.option("--ssh-port", "-p", type=int, help="sshd port on the hosts.")
+@click.option(
+    "--ssh-identity-file",
+    "-i",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="ssh private key for the hosts.",
+)
+@click.option(
+    "--data",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="The data file the job will read; checked on every host.",
+)
+def doctor(
+    hostfile: Path | None, ssh_port: int | None, ssh_identity_file: Path | None, data: Path | None
+) -> None:
+    """Check a set-up before a long job: Horovod's build, ssh to every host, versions, host
+    names, a common network interface, the data path, threads per rank. Exit 0 if all pass."""
+    from hvd_cpu.doctor import diagnose, report
+
+    checks = diagnose(hostfile, ssh_port, ssh_identity_file, data)
+    click.echo(report(checks))
+    sys.exit(0 if all(c.ok for c in checks) else 1)
+
+
 @cli.command("make-demo-data")
 @click.argument("path", type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--rows", type=click.IntRange(min=1), default=100_000, show_default=True)
@@ -295,3 +325,12 @@ def main() -> None:
     except InputError as exc:
         message = f"hvd-cpu: error: {' '.join(str(exc).split())}"
         _fail(lambda: print(message, file=sys.stderr), InputError.exit_code)
+    except Exception as exc:
+        from hvd_cpu import dist
+
+        if not isinstance(exc, dist.PeerLost):
+            raise
+        # Every surviving rank sees this, so each says it once, in one line, with its rank.
+        rank, reason = dist.launch_rank(), " ".join(str(exc).split())
+        print(f"hvd-cpu: rank {rank}: lost another rank of the job ({reason})", file=sys.stderr)
+        dist.exit_now(1)

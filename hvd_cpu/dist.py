@@ -6,6 +6,7 @@ replace how ranks start and agree without touching the data or training code.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import signal
@@ -26,6 +27,9 @@ from hvd_cpu.errors import InputError
 
 # Environment variables through which launchers tell a process its rank before init.
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# Raised by a collective when another rank has gone (crashed, killed, host lost).
+PeerLost = hvd.HorovodInternalError
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,11 @@ class World:
         return self.rank == 0
 
 
+def launch_rank_known() -> bool:
+    """Whether a launcher started this process as one rank of a job."""
+    return any(name in os.environ for name in RANK_VARIABLES)
+
+
 def launch_rank() -> int:
     """This process's rank as the launcher announced it; usable before (or without) init."""
     for name in RANK_VARIABLES:
@@ -52,15 +61,25 @@ def launch_rank() -> int:
 
 
 def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota if set."""
+    """Cores this process may use: its CPU affinity, capped by a cgroup CPU quota (a
+    container's --cpus) when one is set, in cgroup v2 or v1 form."""
     cores = len(os.sched_getaffinity(0))
+    quota = _cgroup_cpu_quota()
+    return min(cores, max(1, math.ceil(quota))) if quota else cores
+
+
+def _cgroup_cpu_quota() -> float | None:
     try:
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        if quota != "max":
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+        return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         pass
-    return cores
+    try:
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
 
 
 def exit_quietly_on_signals() -> None:
@@ -96,12 +115,31 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def build_info() -> dict[str, bool]:
+    """What this Horovod build can do (horovodrun --check-build, as data)."""
+    return {"pytorch": True, "gloo": bool(hvd.gloo_built()), "mpi": bool(hvd.mpi_built())}
+
+
 def launch(
     func: Callable[..., Any], args: tuple[Any, ...], np: int, hosts: str | None
 ) -> list[Any]:
     """Run `func(*args)` on `np` new ranks over Gloo (Horovod's programmatic launcher, what
     horovodrun does for a command) and return every rank's result, in rank order."""
     return horovod.run(func, args=args, np=np, hosts=hosts, use_gloo=True, disable_cache=True)
+
+
+def end_with_parent() -> None:
+    """Ask the kernel to send this process SIGTERM when its parent dies.
+
+    When horovodrun dies, a remote rank's ssh session ends but the rank gets no hangup, and a
+    rank that is not inside a collective would train on alone. With this it ends instead.
+    """
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return  # not Linux, or refused: the launcher's own clean-up still applies
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def init(threads: int | None = None) -> World:
@@ -111,6 +149,8 @@ def init(threads: int | None = None) -> World:
     cores would fight over N x N threads.
     """
     exit_quietly_on_signals()
+    if launch_rank_known():
+        end_with_parent()
     hvd.init()
     threads = threads or max(1, usable_cores() // hvd.local_size())
     torch.set_num_threads(threads)

@@ -2,10 +2,11 @@
 # Install hvd-cpu and a Horovod that builds against current PyTorch, into one virtual environment.
 #
 # Horovod 0.28.1 (its last release) forces C++14, which PyTorch >= 2.1 headers refuse. This script
-# downloads the 0.28.1 sdist, applies the project's patches (launch/horovod-0.28.1-*.patch: C++17,
-# and horovodrun exiting with the failed worker's exit code instead of a traceback), builds a
-# Gloo + PyTorch wheel once, caches it (keyed by Horovod version, torch version, Python ABI and
-# patches), and installs it. A second run with the cache takes seconds.
+# downloads the 0.28.1 sdist, applies the project's patches (launch/horovod-0.28.1-*.patch: C++17;
+# horovodrun ending with the failed worker's exit code, or one line for an unreachable host,
+# instead of a traceback), builds a Gloo + PyTorch wheel once, caches it (keyed by Horovod
+# version, torch version, Python ABI and patches), and installs it. A second run with the cache
+# takes seconds.
 #
 # Usage: launch/install.sh [--test]     (--test also installs what the test suite needs)
 # Environment:

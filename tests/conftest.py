@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parent.parent
 # horovodrun prefixes each line a rank prints with "[rank]<stdout>:" or "[rank]<stderr>:",
 # after a timestamp when run with --prefix-output-with-timestamp.
 RANK_PREFIX = re.compile(r"^(?P<time>.*?)\[(?P<rank>\d+)\]<(?:stdout|stderr)>:(?P<text>.*)$")
@@ -37,8 +38,10 @@ class Run:
         return found
 
 
-def run(args: list[str], timeout: float = 300, cwd: Path | None = None) -> Run:
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+def run(
+    args: list[str], timeout: float = 300, cwd: Path | None = None, env: dict | None = None
+) -> Run:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})}
     start = time.monotonic()
     done = subprocess.run(
         args, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, check=False

@@ -1,0 +1,246 @@
+"""`hvd-cpu doctor`: check, before a long job, what a multi-host launch needs.
+
+Each host is probed over the same passwordless ssh that horovodrun uses, by running this
+module with the same Python (`python -m hvd_cpu.doctor probe`): the same environment and paths
+on every host is a requirement anyway. The probes' answers are then compared here.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from hvd_cpu.dist import usable_cores
+from hvd_cpu.errors import InputError
+
+SSH_TIMEOUT = 20  # seconds for one host's probe, connection included
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the checklist."""
+
+    name: str
+    host: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class HostSlots:
+    host: str
+    slots: int
+
+
+def read_hostfile(path: Path) -> list[HostSlots]:
+    """`host slots=N` lines (slots=1 if omitted); blank lines and # comments are skipped."""
+    if not path.is_file():
+        raise InputError(f"host file not found: {path}")
+    hosts = []
+    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, *rest = line.split()
+        slots = 1
+        for item in rest:
+            key, _, value = item.partition("=")
+            if key != "slots" or not value.isdigit() or int(value) < 1:
+                raise InputError(f"{path}:{number}: expected 'host slots=N', got {raw.strip()!r}")
+            slots = int(value)
+        hosts.append(HostSlots(host, slots))
+    if not hosts:
+        raise InputError(f"{path} lists no hosts")
+    return hosts
+
+
+def probe(data: str | None) -> dict[str, Any]:
+    """What this host says about itself (runs on every host)."""
+    from hvd_cpu import dist
+
+    name = socket.gethostname()
+    try:
+        resolved = socket.gethostbyname(name)
+    except OSError as exc:
+        resolved = f"unresolvable: {exc}"
+    return {
+        "hostname": name,
+        "resolves_to": resolved,
+        "interfaces": {
+            nic: [a.address for a in addresses if a.family == socket.AF_INET]
+            for nic, addresses in psutil.net_if_addrs().items()
+        },
+        "versions": {p: version(p) for p in ("hvd-cpu", "torch", "horovod")},
+        "horovod": dist.build_info(),
+        "cores": usable_cores(),
+        "data_readable": None if data is None else os.access(data, os.R_OK),
+    }
+
+
+def ssh_probe(
+    host: str, port: int | None, identity: Path | None, data: str | None
+) -> dict[str, Any] | str:
+    """Run `probe` on `host` over ssh; the answer, or why ssh failed."""
+    command = [
+        "ssh", "-o", "BatchMode=yes", "-o", "PasswordAuthentication=no",
+        "-o", "StrictHostKeyChecking=no", "-o", "ConnectTimeout=5", "-o", "LogLevel=ERROR",
+    ]  # fmt: skip
+    if port:
+        command += ["-p", str(port)]
+    if identity:
+        command += ["-i", str(identity)]
+    remote = [sys.executable, "-m", "hvd_cpu.doctor", "probe", *([data] if data else [])]
+    try:
+        done = subprocess.run(
+            [*command, host, " ".join(map(_quote, remote))],
+            capture_output=True, text=True, timeout=SSH_TIMEOUT, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"no answer within {SSH_TIMEOUT} s"
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return lines[-1] if lines else f"ssh exited with {done.returncode}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _quote(word: str) -> str:
+    return "'" + word.replace("'", "'\\''") + "'"
+
+
+def diagnose(
+    hostfile: Path | None, port: int | None, identity: Path | None, data: Path | None
+) -> list[Check]:
+    """The whole checklist, local build first, then each host, then what they must share."""
+    here = probe(str(data) if data else None)
+    build = here["horovod"]
+    checks = [
+        Check(
+            "Horovod with PyTorch + Gloo", "this host", build["pytorch"] and build["gloo"],
+            f"horovod {here['versions']['horovod']}: PyTorch {'yes' if build['pytorch'] else 'NO'},"
+            f" Gloo {'yes' if build['gloo'] else 'NO'}",
+            "rebuild with launch/install.sh",
+        )
+    ]  # fmt: skip
+    if hostfile is None:
+        hosts = [HostSlots("localhost", here["cores"])]
+        answers: dict[str, dict[str, Any] | str] = {"localhost": here}
+    else:
+        hosts = read_hostfile(hostfile)
+        with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
+            futures = {
+                h.host: pool.submit(ssh_probe, h.host, port, identity, str(data) if data else None)
+                for h in hosts
+            }
+            answers = {host: future.result() for host, future in futures.items()}
+    several = len(hosts) > 1
+
+    reached = {}
+    for h in hosts:
+        answer = answers[h.host]
+        if isinstance(answer, str):
+            checks.append(Check("passwordless ssh", h.host, False, answer, ssh_fix(h.host, port)))
+            continue
+        reached[h.host] = answer
+        if hostfile is not None:
+            checks.append(Check("passwordless ssh", h.host, True, f"reached {answer['hostname']}"))
+        checks += host_checks(h, answer, here, several, data)
+    if several and len(reached) == len(hosts):
+        checks.append(common_interface(reached))
+    return checks
+
+
+def host_checks(
+    h: HostSlots, answer: dict[str, Any], here: dict[str, Any], several: bool, data: Path | None
+) -> list[Check]:
+    """What must hold on each host on its own."""
+    checks = []
+    if several:
+        same = answer["versions"] == here["versions"]
+        shown = ", ".join(f"{k} {v}" for k, v in answer["versions"].items())
+        checks.append(
+            Check("same versions as here", h.host, same, shown,
+                  "install the same hvd-cpu, torch and Horovod everywhere (launch/install.sh)")
+        )  # fmt: skip
+    resolved = answer["resolves_to"]
+    own = {a for addresses in answer["interfaces"].values() for a in addresses}
+    loopback = resolved.startswith("unresolvable") or ipaddress.ip_address(resolved).is_loopback
+    ok = not several or (not loopback and resolved in own)
+    checks.append(
+        Check(
+            "own hostname resolves", h.host, ok, f"{answer['hostname']} -> {resolved}",
+            f"map {answer['hostname']} to its address on the shared network in /etc/hosts of "
+            f"{h.host} (Horovod's Gloo context uses it; 127.x cannot be reached by other hosts)",
+        )
+    )  # fmt: skip
+    if data is not None:
+        checks.append(
+            Check("data readable", h.host, bool(answer["data_readable"]), str(data),
+                  f"copy the data to {data} on {h.host}, or mount shared storage there")
+        )  # fmt: skip
+    cores = answer["cores"]
+    checks.append(
+        Check(
+            "thread budget", h.host, h.slots <= cores,
+            f"{h.slots} rank(s) on {cores} core(s): {max(1, cores // h.slots)} thread(s) each",
+            f"at most {cores} slots on {h.host}: more ranks than cores only wait on each other",
+        )
+    )  # fmt: skip
+    return checks
+
+
+def common_interface(answers: dict[str, dict[str, Any]]) -> Check:
+    """horovodrun needs a network interface of the same name on every host."""
+    names = [
+        {n for n, addresses in a["interfaces"].items() if n != "lo" and addresses}
+        for a in answers.values()
+    ]
+    common = sorted(set.intersection(*names))
+    return Check(
+        "common network interface", "all hosts", bool(common),
+        ", ".join(common) or "none: " + "; ".join(
+            f"{host}: {', '.join(sorted(n))}" for host, n in zip(answers, names, strict=True)
+        ),
+        "give the NICs of the shared network the same name on every host",
+    )  # fmt: skip
+
+
+def ssh_fix(host: str, port: int | None) -> str:
+    port_option = f" -p {port}" if port else ""
+    return (
+        f"check that sshd runs on {host}{port_option} and that `ssh{port_option} {host} true` "
+        "works without a password (ssh-copy-id)"
+    )
+
+
+def report(checks: list[Check]) -> str:
+    """The checklist as a table; each failure is followed by its fix."""
+    width_name = max(len(c.name) for c in checks)
+    width_host = max(len(c.host) for c in checks)
+    lines = []
+    for c in checks:
+        status = "OK  " if c.ok else "FAIL"
+        lines.append(f"{status}  {c.name:<{width_name}}  {c.host:<{width_host}}  {c.detail}")
+        if not c.ok:
+            lines.append(f"      fix: {c.fix}")
+    failed = sum(not c.ok for c in checks)
+    lines.append(
+        f"{len(checks) - failed} of {len(checks)} checks OK"
+        + (", fix the rest before launching" if failed else "")
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["probe"]:
+    print(json.dumps(probe(sys.argv[2] if len(sys.argv) > 2 else None)))

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Train over the hosts of a host file: one rank per slot, the same command on every host.
+#
+#   launch/run-hosts.sh HOSTFILE [hvd-cpu train options...]
+#
+# Environment (all optional):
+#   SSH_PORT       sshd port on the hosts               (horovodrun -p)
+#   SSH_KEY        ssh private key                      (horovodrun -i)
+#   NIC            network interface the hosts share    (horovodrun --network-interface)
+#   START_TIMEOUT  seconds to wait for all ranks        (horovodrun --start-timeout, default 30)
+#   HVD_CPU_VENV   the environment to use               (default: <repo>/.venv)
+# Check the set-up first with: hvd-cpu doctor --hostfile HOSTFILE [-p PORT] [-i KEY]
+set -euo pipefail
+if (($# < 1)) || [[ ! -f $1 ]]; then
+  echo "usage: $0 HOSTFILE [hvd-cpu train options...]  (see launch/hostfile.example)" >&2
+  exit 2
+fi
+hostfile=$1
+shift
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export PATH=${HVD_CPU_VENV:-$repo/.venv}/bin:$PATH
+
+# The number of ranks is the sum of the slots (a host without slots= counts 1).
+np=$(awk '{ sub(/#.*/, "") } NF { n = 1; for (i = 2; i <= NF; i++) if ($i ~ /^slots=/) n = substr($i, 7); total += n }
+          END { print total + 0 }' "$hostfile")
+if ((np < 1)); then
+  echo "$hostfile lists no hosts" >&2
+  exit 2
+fi
+
+launcher=(-np "$np" --hostfile "$hostfile" --start-timeout "${START_TIMEOUT:-30}")
+[[ -n ${SSH_PORT:-} ]] && launcher+=(-p "$SSH_PORT")
+[[ -n ${SSH_KEY:-} ]] && launcher+=(-i "$SSH_KEY")
+[[ -n ${NIC:-} ]] && launcher+=(--network-interface "$NIC")
+exec horovodrun "${launcher[@]}" hvd-cpu train "$@"
