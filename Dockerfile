@@ -1,0 +1,50 @@
+# hvd-cpu in a container: Horovod (patched for current PyTorch, Gloo) + CPU-only torch + hvd-cpu.
+#
+#   docker build -t hvd-cpu .
+#   docker run --rm hvd-cpu                      # the demo: horovodrun -np 4 hvd-cpu train
+#   docker run --rm -v "$PWD/data:/data" hvd-cpu horovodrun -np 4 hvd-cpu train --data /data/frame.parquet
+#
+# Build arguments: BASE_IMAGE (Debian bookworm: its python3 is the 3.11 that Horovod's build
+# needs), TORCH_SPEC, TORCH_INDEX_URL (where CPU-only torch wheels come from; empty: the
+# default index, which serves CUDA builds of several GB), PIP_FIND_LINKS (a folder of wheels
+# mounted at build time) and PIP_CERT (a CA bundle mounted at build time, behind a
+# TLS-inspecting proxy), both optional.
+ARG BASE_IMAGE=docker.io/library/debian:bookworm-slim
+
+FROM ${BASE_IMAGE} AS build
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG PIP_FIND_LINKS=
+ARG PIP_CERT=
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      python3 python3-venv python3-dev g++ make cmake patch ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY hvd_cpu hvd_cpu
+COPY launch launch
+# The same install script as a local set-up; a regular (not editable) install into /opt/venv.
+RUN env HVD_CPU_VENV=/opt/venv HVD_CPU_EDITABLE=0 HVD_CPU_CACHE=/tmp/hvd-cpu-cache \
+    TORCH_SPEC="$TORCH_SPEC" TORCH_INDEX_URL="$TORCH_INDEX_URL" PIP_NO_CACHE_DIR=1 \
+    ${PIP_FIND_LINKS:+PIP_FIND_LINKS=$PIP_FIND_LINKS} ${PIP_CERT:+PIP_CERT=$PIP_CERT} \
+    bash launch/install.sh \
+ && find /opt/venv -name __pycache__ -prune -exec rm -rf {} + \
+ && rm -rf /tmp/hvd-cpu-cache
+
+# The image that runs: Python, ssh for multi-host jobs, the environment built above. No
+# compilers, no build caches.
+FROM ${BASE_IMAGE}
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      python3 libstdc++6 openssh-client openssh-server procps \
+ && rm -rf /var/lib/apt/lists/* /etc/ssh/ssh_host_* \
+ && mkdir -p /run/sshd
+COPY --from=build /opt/venv /opt/venv
+# Also on the PATH of ssh sessions (multi-host mode), which do not see the ENV below.
+RUN ln -s /opt/venv/bin/hvd-cpu /opt/venv/bin/horovodrun /usr/local/bin/
+COPY launch/container-entrypoint.sh /usr/local/bin/hvd-cpu-entrypoint
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /work
+ENTRYPOINT ["hvd-cpu-entrypoint"]
+CMD ["horovodrun", "-np", "4", "hvd-cpu", "train"]

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The container tests: build the Dockerfile for real (buildah) and run the image (podman).
+# Slow (Horovod is built inside the image), so separate from launch/test.sh; .ci/run runs both.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+bash "$repo/launch/install.sh" --test
+export PATH=${HVD_CPU_VENV:-$repo/.venv}/bin:$PATH
+cd "$repo"
+status=0
+pytest -m container -s "$@" || status=$?
+if ((status == 5)); then
+  echo "test-container: pytest collected no tests; that is a failure, not a pass" >&2
+  exit 1
+fi
+exit "$status"
