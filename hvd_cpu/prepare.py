@@ -98,7 +98,7 @@ def read_rows(config: TrainConfig, world: dist.World) -> tuple[pd.DataFrame, pd.
     elif config.shard_read:
         if format_of(config.data, config.format) != "parquet":
             raise InputError("--shard-read reads parquet files only; convert the data to parquet")
-        frame = read_parquet_shard(config.data, world.rank, world.size).frame
+        frame = read_parquet_shard(config.data, world.rank, world.size)
         return frame, frame
     else:
         frame = read_frame(config.data, config.format)

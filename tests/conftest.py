@@ -60,13 +60,17 @@ def horovodrun(np: int, *args: str, launcher: tuple[str, ...] = (), timeout: flo
     return run([*command, str(BIN / "hvd-cpu"), *args], timeout=timeout)
 
 
+def demo_file(path: Path, rows: int, features: int = 8) -> Path:
+    """A demo frame written by `hvd-cpu make-demo-data` itself."""
+    made = hvd_cpu("make-demo-data", str(path), "--rows", str(rows), "--features", str(features))
+    assert made.returncode == 0, made.stderr
+    return path
+
+
 @pytest.fixture(scope="session")
 def demo_parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4096-row demo frame shared by the integration tests."""
-    path = tmp_path_factory.mktemp("data") / "demo.parquet"
-    made = hvd_cpu("make-demo-data", str(path), "--rows", "4096", "--features", "8")
-    assert made.returncode == 0, made.stderr
-    return path
+    return demo_file(tmp_path_factory.mktemp("data") / "demo.parquet", rows=4096)
 
 
 def messy_frame(rows: int = 400, seed: int = 0) -> pd.DataFrame:

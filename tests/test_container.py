@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, Run, hvd_cpu, run
+from .conftest import REPO, Run, demo_file, run
 
 TAG = "localhost/hvd-cpu:test"
 pytestmark = [
@@ -52,8 +52,7 @@ def test_the_default_command_is_the_four_rank_demo(image: str) -> None:
 
 
 def test_training_on_a_mounted_frame(image: str, tmp_path: Path) -> None:
-    made = hvd_cpu("make-demo-data", str(tmp_path / "frame.parquet"), "--rows", "5000")
-    assert made.returncode == 0, made.stderr
+    demo_file(tmp_path / "frame.parquet", rows=5000)
     job = podman(
         "-v", f"{tmp_path}:/data", image,
         "horovodrun", "-np", "4", "hvd-cpu", "train", "--data", "/data/frame.parquet",

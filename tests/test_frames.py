@@ -93,7 +93,7 @@ def test_shard_reads_give_each_rank_its_own_rows(tmp_path: Path) -> None:
     path = tmp_path / "frame.parquet"
     frame = make_demo_frame(rows=1000, features=2)
     frame.to_parquet(path, row_group_size=100)
-    shards = [read_parquet_shard(path, rank, 3).frame for rank in range(3)]
+    shards = [read_parquet_shard(path, rank, 3) for rank in range(3)]
     pd.testing.assert_frame_equal(pd.concat(shards, ignore_index=True), frame)
     assert [len(s) for s in shards] == [400, 300, 300]
     with pytest.raises(InputError, match="has 10 row group"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import BIN, REPO, horovodrun, hvd_cpu, run
+from .conftest import BIN, REPO, demo_file, horovodrun, hvd_cpu, run
 from .hosts import SSH_PORT, Hosts
 
 pytestmark = pytest.mark.skipif(
@@ -76,8 +76,7 @@ def test_four_ranks_on_two_hosts_train_like_four_on_one(hosts: Hosts, tmp_path: 
 
 
 def test_doctor_passes_on_a_good_set_up(hosts: Hosts, tmp_path: Path) -> None:
-    data = tmp_path / "frame.parquet"
-    assert hvd_cpu("make-demo-data", str(data), "--rows", "100").returncode == 0
+    data = demo_file(tmp_path / "frame.parquet", rows=100)
     checked = doctor(hosts, "--data", str(data))
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert checked.stdout.splitlines()[-1] == "12 of 12 checks OK"

@@ -17,7 +17,7 @@ import torch
 
 from hvd_cpu.checkpoint import CHECKPOINT, atomic_write, load
 
-from .conftest import BIN, horovodrun, hvd_cpu, run
+from .conftest import BIN, demo_file, horovodrun, hvd_cpu, run
 
 RESULTS = ("epoch", "train_loss", "val_loss", "samples", "lr", "world_size")
 
@@ -37,10 +37,7 @@ def weights(output: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def frame_20k(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "demo20k.parquet"
-    made = hvd_cpu("make-demo-data", str(path), "--rows", "20000", "--features", "8")
-    assert made.returncode == 0, made.stderr
-    return path
+    return demo_file(tmp_path_factory.mktemp("data") / "demo20k.parquet", rows=20_000)
 
 
 def test_a_killed_run_resumed_ends_where_an_uninterrupted_one_does(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -89,16 +88,8 @@ def read_frame(path: Path, fmt: str | None = None) -> pd.DataFrame:
     return frame
 
 
-@dataclass(frozen=True)
-class Shard:
-    """The rows of a parquet file that one rank reads: whole row groups, about 1/size each."""
-
-    frame: pd.DataFrame
-    row_groups: tuple[int, ...]
-
-
-def read_parquet_shard(path: Path, rank: int, size: int) -> Shard:
-    """Read only this rank's contiguous run of row groups, balanced by row count.
+def read_parquet_shard(path: Path, rank: int, size: int) -> pd.DataFrame:
+    """Read only this rank's contiguous run of row groups (about 1/size of the rows).
 
     Per-rank memory is then about 1/size of the table; row groups are the unit because
     parquet cannot read part of one without decoding all of it.
@@ -115,13 +106,12 @@ def read_parquet_shard(path: Path, rank: int, size: int) -> Shard:
                 "--shard-read cannot give every rank rows; rewrite it with smaller row groups "
                 "(e.g. frame.to_parquet(path, row_group_size=100_000)) or drop --shard-read"
             )
-        mine = tuple(assign_row_groups(rows, size)[rank])
-        frame = _to_pandas(parquet.read_row_groups(list(mine)))
+        frame = _to_pandas(parquet.read_row_groups(list(assign_row_groups(rows, size)[rank])))
     except InputError:
         raise
     except Exception as exc:
         raise _unreadable(path, "parquet", exc) from exc
-    return Shard(frame, mine)
+    return frame
 
 
 def assign_row_groups(rows: list[int], size: int) -> list[range]:
