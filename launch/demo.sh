@@ -7,4 +7,5 @@ bash "$repo/launch/install.sh"
 venv=${HVD_CPU_VENV:-$repo/.venv}
 export PATH=$venv/bin:$PATH
 cd "$repo"
-exec horovodrun -np 4 hvd-cpu train "$@"
+# The demo is disposable: each run replaces the last one's output.
+exec horovodrun -np 4 hvd-cpu train --output runs/demo --overwrite "$@"
