@@ -49,84 +49,101 @@ def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int,
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
 
 
+def _stacked(*decorators: Callable[[Callable[..., None]], Callable[..., None]]) -> Callable:
+    """One decorator applying several, so commands can share a group of options."""
+
+    def apply(command: Callable[..., None]) -> Callable[..., None]:
+        for decorator in reversed(decorators):
+            command = decorator(command)
+        return command
+
+    return apply
+
+
+# What to train on and what to train: the same options for `train` and `bench`.
+_data_and_model_options = _stacked(
+    click.option(
+        "--data",
+        type=click.Path(path_type=Path, dir_okay=False),
+        help="DataFrame file: .parquet, .pkl/.pickle, .feather or .csv. "
+        "Default: a generated demo frame.",
+    ),
+    click.option(
+        "--format",
+        type=click.Choice(["parquet", "pickle", "feather", "csv"]),
+        help="Read --data in this format whatever its extension.",
+    ),
+    click.option(
+        "--target",
+        "targets",
+        multiple=True,
+        default=("target",),
+        show_default=True,
+        help="Column to predict; repeat for several outputs (regression).",
+    ),
+    click.option(
+        "--features",
+        callback=_names,
+        metavar="COL,...",
+        help="Feature columns. Default: every column but the targets.",
+    ),
+    click.option(
+        "--drop",
+        callback=_names,
+        default="",
+        metavar="COL,...",
+        help="Columns to leave out (an id, a leak).",
+    ),
+    click.option(
+        "--task",
+        type=click.Choice(["regression", "classification"]),
+        default="regression",
+        show_default=True,
+        help="regression: MSE loss; classification: cross-entropy, accuracy reported.",
+    ),
+    click.option(
+        "--max-categories",
+        type=click.IntRange(min=1),
+        default=32,
+        show_default=True,
+        help="Most levels a text/category column may have (each becomes a 0/1 feature).",
+    ),
+    click.option(
+        "--standardize-target",
+        is_flag=True,
+        help="Regression: train on the target scaled to mean 0, std 1 (loss in those units).",
+    ),
+    click.option(
+        "--shard-read",
+        is_flag=True,
+        help="Parquet: each rank reads only its own row groups (about 1/N of the memory); "
+        "rows are then shuffled within each rank's shard.",
+    ),
+    click.option(
+        "--model",
+        metavar="MODULE:CLASS|FILE.py:CLASS",
+        help="Your own torch.nn.Module, built as CLASS(n_features=..., n_outputs=...).",
+    ),
+    click.option(
+        "--hidden",
+        callback=_sizes,
+        default="32",
+        show_default=True,
+        metavar="N,...",
+        help="Hidden layer sizes of the default MLP.",
+    ),
+    click.option(
+        "--activation",
+        type=click.Choice(["none", "relu", "gelu"]),
+        default="none",
+        show_default=True,
+        help="Activation between the MLP's layers (the seed's has none).",
+    ),
+)
+
+
 @cli.command()
-@click.option(
-    "--data",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="DataFrame file: .parquet, .pkl/.pickle, .feather or .csv. "
-    "Default: a generated demo frame.",
-)
-@click.option(
-    "--format",
-    type=click.Choice(["parquet", "pickle", "feather", "csv"]),
-    help="Read --data in this format whatever its extension.",
-)
-@click.option(
-    "--target",
-    "targets",
-    multiple=True,
-    default=("target",),
-    show_default=True,
-    help="Column to predict; repeat for several outputs (regression).",
-)
-@click.option(
-    "--features",
-    callback=_names,
-    metavar="COL,...",
-    help="Feature columns. Default: every column but the targets.",
-)
-@click.option(
-    "--drop",
-    callback=_names,
-    default="",
-    metavar="COL,...",
-    help="Columns to leave out (an id, a leak).",
-)
-@click.option(
-    "--task",
-    type=click.Choice(["regression", "classification"]),
-    default="regression",
-    show_default=True,
-    help="regression: MSE loss; classification: cross-entropy, accuracy reported.",
-)
-@click.option(
-    "--max-categories",
-    type=click.IntRange(min=1),
-    default=32,
-    show_default=True,
-    help="Most levels a text/category column may have (each becomes a 0/1 feature).",
-)
-@click.option(
-    "--standardize-target",
-    is_flag=True,
-    help="Regression: train on the target scaled to mean 0, std 1 (loss in those units).",
-)
-@click.option(
-    "--shard-read",
-    is_flag=True,
-    help="Parquet: each rank reads only its own row groups (about 1/N of the memory); "
-    "rows are then shuffled within each rank's shard.",
-)
-@click.option(
-    "--model",
-    metavar="MODULE:CLASS|FILE.py:CLASS",
-    help="Your own torch.nn.Module, built as CLASS(n_features=..., n_outputs=...).",
-)
-@click.option(
-    "--hidden",
-    callback=_sizes,
-    default="32",
-    show_default=True,
-    metavar="N,...",
-    help="Hidden layer sizes of the default MLP.",
-)
-@click.option(
-    "--activation",
-    type=click.Choice(["none", "relu", "gelu"]),
-    default="none",
-    show_default=True,
-    help="Activation between the MLP's layers (the seed's has none).",
-)
+@_data_and_model_options
 @click.option("--epochs", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option(
     "--batch-size",
@@ -160,6 +177,14 @@ def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int,
     type=click.IntRange(min=1),
     default=None,
     help="Torch threads per rank. Default: usable cores / ranks on the host.",
+)
+@click.option(
+    "--sync-every",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="1: average gradients every step. K > 1: local SGD, each rank steps alone and the "
+    "parameters are averaged every K steps (and each epoch's end); the lr is not scaled.",
 )
 @click.option(
     "--output",
@@ -261,6 +286,102 @@ def plot(output: Path) -> None:
     from hvd_cpu.plot import plot_losses
 
     click.echo(f"wrote {plot_losses(output)}")
+
+
+@cli.command()
+@_data_and_model_options
+@click.option(
+    "--rows",
+    type=click.IntRange(min=1),
+    default=65_536,
+    show_default=True,
+    help="Rows of the generated demo frame used when no --data is given.",
+)
+@click.option(
+    "--processes",
+    "-np",
+    callback=_sizes,
+    default="",
+    metavar="N,...",
+    help="Process counts to try. Default: 1, 2 and one per core.",
+)
+@click.option(
+    "--batch-size",
+    "batch_sizes",
+    callback=_sizes,
+    default="64,1024",
+    show_default=True,
+    metavar="N,...",
+    help="Per-rank batch sizes to try; the first is the one you train with.",
+)
+@click.option(
+    "--sync-every",
+    "sync_intervals",
+    callback=_sizes,
+    default="1,8",
+    show_default=True,
+    metavar="K,...",
+    help="Sync intervals to try with several processes (1: gradients every step).",
+)
+@click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option(
+    "--epochs",
+    type=click.IntRange(min=2),
+    default=2,
+    show_default=True,
+    help="Epochs per setting; the last is timed.",
+)
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=Path("runs/bench"),
+    show_default=True,
+    help="Folder for bench.json and bench.png.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace an earlier bench in OUTPUT.")
+def bench(
+    rows: int,
+    processes: tuple[int, ...],
+    batch_sizes: tuple[int, ...],
+    sync_intervals: tuple[int, ...],
+    epochs: int,
+    overwrite: bool,
+    **options: object,
+) -> None:
+    """Measure which process count, threads, per-rank batch and sync interval train this data
+    and model fastest here; launches the jobs itself (run it without horovodrun)."""
+    from hvd_cpu import bench as benchmark
+    from hvd_cpu import dist
+    from hvd_cpu.config import DEMO_FEATURES, TrainConfig
+    from hvd_cpu.data.demo import make_demo_frame
+    from hvd_cpu.data.frames import write_frame
+
+    if dist.launch_rank_known():
+        raise InputError("hvd-cpu bench launches its own jobs: run it without horovodrun")
+    output = Path(str(options["output"])).absolute()
+    if (output / "bench.json").exists() and not overwrite:
+        raise InputError(f"{output} holds an earlier bench; pass --overwrite or another --output")
+    if not options["data"]:
+        options["data"] = output / "demo.parquet"
+        output.mkdir(parents=True, exist_ok=True)
+        write_frame(make_demo_frame(rows, DEMO_FEATURES, 0), options["data"])
+    cores = dist.usable_cores()
+    train_config = TrainConfig(
+        **{**options, "output": output, "batch_size": batch_sizes[0]},
+        val_fraction=0.0,
+        quiet=True,
+    )
+    config = benchmark.BenchConfig(
+        train=train_config,
+        process_counts=processes or benchmark.default_process_counts(cores),
+        batch_sizes=batch_sizes,
+        sync_intervals=sync_intervals,
+        cores=cores,
+    )
+    report = benchmark.run(config, epochs)
+    benchmark.write(report, output)
+    click.echo(benchmark.table(report))
+    click.echo(f"wrote {output / 'bench.json'} and {output / 'bench.png'}")
 
 
 @cli.command()

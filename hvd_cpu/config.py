@@ -43,6 +43,10 @@ class TrainConfig:
     plateau_patience: int | None = None  # halve the lr after this many epochs without progress
     seed: int = 0
     threads: int | None = None  # per rank; None: usable cores / ranks on this host
+    # 1: average gradients every step (synchronous, as one process with the global batch).
+    # K > 1: local SGD, each rank steps on its own and parameters are averaged every K steps
+    # and at the end of each epoch: K times fewer waits for the other ranks.
+    sync_every: int = 1
     # validation and stopping
     val_fraction: float = 0.1  # held out (by seed) and sharded across ranks; 0: none
     patience: int | None = None  # stop after this many epochs without a better validation loss
@@ -66,7 +70,7 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "max_categories", "checkpoint_every"):
+        for name in ("epochs", "batch_size", "max_categories", "checkpoint_every", "sync_every"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.lr <= 0:

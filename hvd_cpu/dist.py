@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,6 +177,32 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> 
     return hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), op=hvd.Average
     )
+
+
+def averaged_step(optimizer: Any) -> float:
+    """Wait for this step's gradient allreduces (started by backward, one per parameter as its
+    gradient is ready), then step; returns the seconds spent waiting for them."""
+    start = time.perf_counter()
+    optimizer.synchronize()
+    waited = time.perf_counter() - start
+    with optimizer.skip_synchronize():
+        optimizer.step()
+    return waited
+
+
+def average_parameters(model: torch.nn.Module) -> float:
+    """Local SGD: replace every rank's parameters with their mean over all ranks, as one
+    allreduce; returns the seconds it took."""
+    start = time.perf_counter()
+    parameters = list(model.parameters())
+    flat = torch.nn.utils.parameters_to_vector(parameters)
+    hvd.allreduce_(flat, op=hvd.Average, name="average_parameters")
+    with torch.no_grad():
+        for parameter, mean in zip(
+            parameters, flat.split([p.numel() for p in parameters]), strict=True
+        ):
+            parameter.copy_(mean.view_as(parameter))
+    return time.perf_counter() - start
 
 
 def broadcast_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

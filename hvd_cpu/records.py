@@ -17,6 +17,9 @@ from hvd_cpu.config import TrainConfig
 if TYPE_CHECKING:
     from hvd_cpu.train import LoopState
 
+# Above this share of training time spent waiting, more processes are not paying for themselves.
+WAITING_HINT = 0.5
+
 
 @dataclass
 class EpochMetrics:
@@ -31,6 +34,7 @@ class EpochMetrics:
     train_accuracy: float | None = None  # classification only
     val_loss: float | None = None  # with --val-fraction > 0
     val_accuracy: float | None = None
+    wait_seconds: float = 0.0  # of `seconds`, spent waiting for the other ranks (rank mean)
 
     @property
     def samples_per_s(self) -> float:
@@ -42,6 +46,7 @@ class EpochMetrics:
         return {
             **fields,
             "seconds": round(self.seconds, 4),
+            "wait_seconds": round(self.wait_seconds, 4),
             "samples_per_s": round(self.samples_per_s, 1),
         }
 
@@ -134,10 +139,21 @@ class Records:
             ("final train loss", f"{state.history[-1]['train_loss']:.4f}"),
             ("training time", f"{seconds:.1f} s (wall {time.perf_counter() - self.started:.1f} s)"),
             ("throughput", f"{samples / seconds:,.0f} samples/s over {self.world_size} rank(s)"),
-            ("output", f"{self.output}"),
         ]
+        waiting = sum(h.get("wait_seconds", 0.0) for h in state.history) / seconds
+        if self.world_size > 1:
+            rows.append(("waiting for other ranks", f"{waiting:.0%} of training time"))
+        rows.append(("output", f"{self.output}"))
         width = max(len(name) for name, _ in rows)
         print("\n".join(f"  {name:<{width}}  {value}" for name, value in rows), flush=True)
+        if self.world_size > 1 and waiting > WAITING_HINT:
+            print(
+                f"hvd-cpu: the ranks waited for each other {waiting:.0%} of the time: fewer, "
+                "larger synchronisations pay here (a larger --batch-size, --sync-every 8, or "
+                "fewer processes); `hvd-cpu bench` measures which",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def features(self, transform: dict[str, Any]) -> None:
         """The fitted feature transformation, for predict and for the curious."""

@@ -24,6 +24,7 @@ from hvd_cpu.config import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.data.loader import LocalShardSampler, ShardedBatches, global_sampler
 from hvd_cpu.models import parameter_digest, portable_spec
+from hvd_cpu.optim import adam
 from hvd_cpu.prepare import Prepared, prepare
 from hvd_cpu.records import EpochMetrics, Progress, Records
 
@@ -77,26 +78,34 @@ class Validation:
 
 
 class Trainer:
-    """One rank's model, optimizer, shard and loop state."""
+    """One rank's model, optimizer, shard and loop state.
+
+    Ranks stay in step in one of two ways: by default Horovod's DistributedOptimizer averages
+    the gradients of every step; with --sync-every K > 1 (local SGD) each rank steps on its
+    own batches and the parameters are averaged every K steps and at the end of each epoch.
+    """
 
     def __init__(
         self,
         config: TrainConfig,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
         batches: ShardedBatches,
         validation: Validation | None,
         world_size: int,
     ) -> None:
         self.config = config
         self.model = model
-        self.optimizer = optimizer
+        self.local_sgd = config.sync_every > 1 and world_size > 1
+        optimizer = adam(model.parameters(), config.lr)
+        self.optimizer = optimizer if self.local_sgd else dist.wrap_optimizer(optimizer, model)
         self.batches = batches
         self.validation = validation
         self.classification = config.task == "classification"
         self.loss_fn = nn.CrossEntropyLoss() if self.classification else nn.MSELoss()
         self.world_size = world_size
-        self.peak_lr = config.lr * (world_size if config.scale_lr else 1)
+        # Gradient averaging makes one step of the global batch: Horovod scales the lr with it.
+        # A local SGD step sees one rank's batch, so its lr stays as given.
+        self.peak_lr = config.lr * (world_size if config.scale_lr and not self.local_sgd else 1)
         self.warmup_steps = config.warmup_epochs * len(batches)
         self.state = LoopState()
 
@@ -107,18 +116,27 @@ class Trainer:
             lr = self.config.lr + (lr - self.config.lr) * self.state.step / self.warmup_steps
         return lr * self.state.lr_factor
 
-    def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step; returns the batch's summed loss and its count of correct predictions."""
+    def _run_batch(
+        self, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One step; returns the batch's summed loss, its count of correct predictions and the
+        seconds spent waiting for the other ranks."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr()
         self.optimizer.zero_grad()  # Horovod's wrapper takes no arguments
         out = self.model(x)
         loss = self.loss_fn(out, y)
         loss.backward()
-        self.optimizer.step()  # gradients are averaged over all ranks here
+        if self.local_sgd:
+            self.optimizer.step()
+            waited = 0.0
+            if (self.state.step + 1) % self.config.sync_every == 0:
+                waited = dist.average_parameters(self.model)
+        else:
+            waited = dist.averaged_step(self.optimizer)
         self.state.step += 1
         correct = (out.argmax(1) == y).sum() if self.classification else torch.zeros(())
-        return loss.detach() * len(x), correct
+        return loss.detach() * len(x), correct, waited
 
     def run_epoch(self, progress: Progress | None) -> EpochMetrics:
         """Train on this rank's shard once, then validate; metrics are over all ranks' rows."""
@@ -131,14 +149,19 @@ class Trainer:
         self.model.train()
         # Summed as tensors so the loop never waits on .item(); float64 so long epochs stay exact.
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, samples, correct
+        waited = 0.0
         start = time.perf_counter()
         for x, y in self.batches:
-            loss_sum, correct = self._run_batch(x, y)
+            loss_sum, correct, batch_waited = self._run_batch(x, y)
             totals += torch.stack([loss_sum.double(), torch.tensor(len(x)), correct.double()])
+            waited += batch_waited
             if progress:
                 progress.update(len(x), float(loss_sum) / len(x))
+        if self.local_sgd:  # every rank validates and checkpoints the same parameters
+            waited += dist.average_parameters(self.model)
         seconds = time.perf_counter() - start
-        loss_sum, samples, correct = dist.sum_over_ranks(totals, "epoch_totals").tolist()
+        totals = torch.cat([totals, torch.tensor([waited], dtype=torch.float64)])
+        loss_sum, samples, correct, waited = dist.sum_over_ranks(totals, "epoch_totals").tolist()
         metrics = EpochMetrics(
             epoch=epoch,
             train_loss=loss_sum / samples,
@@ -147,6 +170,7 @@ class Trainer:
             lr=lr,
             world_size=self.world_size,
             train_accuracy=correct / samples if self.classification else None,
+            wait_seconds=waited / self.world_size,
         )
         if self.validation:
             metrics.val_loss, metrics.val_accuracy = self.validation.evaluate(
@@ -214,13 +238,10 @@ def exported(config: TrainConfig, model: nn.Module, transform: FeatureTransform)
     }
 
 
-def train(config: TrainConfig) -> TrainResult:
-    """Train as configured; call on every rank of the job (a plain process is a job of one)."""
-    world = dist.init(config.threads)
-    prepared = prepare(config, world)
-    model = prepared.model
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-
+def build_trainer(
+    config: TrainConfig, world: dist.World, prepared: Prepared, model: nn.Module
+) -> Trainer:
+    """A Trainer over this rank's shard of `prepared`; call on every rank (collectives)."""
     if config.shard_read:
         sampler = LocalShardSampler(
             len(prepared.train_rows), prepared.train_length, world.rank, config.shuffle, config.seed
@@ -232,16 +253,24 @@ def train(config: TrainConfig) -> TrainResult:
     batches = ShardedBatches(prepared.arrays, prepared.train_rows, config.batch_size, sampler)
     has_validation = dist.sum_over_ranks(torch.tensor([len(prepared.val_rows)]), "val_rows") > 0
     validation = Validation(prepared) if has_validation else None
-    trainer = Trainer(
-        config, model, dist.wrap_optimizer(optimizer, model), batches, validation, world.size
-    )
+    return Trainer(config, model, batches, validation, world.size)
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Train as configured; call on every rank of the job (a plain process is a job of one)."""
+    world = dist.init(config.threads)
+    prepared = prepare(config, world)
+    model = prepared.model
+    trainer = build_trainer(config, world, prepared, model)
     trainer.restore(prepared.resumed)
 
     records = Records(config, world.size) if world.is_root else None
     if records:
         records.start(prepared.transform.report.lines(), trainer.state.history)
+    first_step_unix = time.time()  # launch to here is the start-up cost (ranks.json)
     while not trainer.done():
-        progress = records.progress(trainer.state.epoch + 1, len(batches)) if records else None
+        epoch = trainer.state.epoch + 1
+        progress = records.progress(epoch, len(trainer.batches)) if records else None
         metrics = trainer.run_epoch(progress)
         if records:
             records.epoch(metrics)
@@ -258,8 +287,9 @@ def train(config: TrainConfig) -> TrainResult:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "threads": world.threads,
-            "shard_rows": len(sampler),
+            "shard_rows": len(trainer.batches.sampler),
             "epochs_run": trainer.state.epoch,
+            "first_step_unix": round(first_step_unix, 3),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "param_sha256": parameter_digest(model),
         },

@@ -1,0 +1,75 @@
+"""What every contender of the benchmark shares: the frame, the hold-out, the models, and the
+per-epoch record each one writes (seconds of training, validation loss)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from hvd_cpu.models import Network
+from hvd_cpu.prepare import split
+
+VAL_FRACTION = 0.1
+SEED = 0
+# name -> (hidden sizes, activation): the seed's MLP, and one where compute dominates a step
+MODELS = {"seed": ((32,), "none"), "wide": ((512, 512, 512), "relu")}
+
+
+def make_frame(rows: int, features: int = 16, seed: int = SEED) -> pd.DataFrame:
+    """Standard-normal features; a target with a linear part (all the seed's linear MLP can
+    learn) plus interactions and bends a ReLU network can learn; noise of std 0.1."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, features)).astype(np.float32)
+    weights = rng.normal(0, 1, features)
+    target = x @ weights
+    target += np.sin(2 * x[:, 0]) * x[:, 1] + 0.5 * x[:, 2] * x[:, 3] + np.abs(x[:, 4])
+    target += rng.normal(0, 0.1, rows)
+    frame = pd.DataFrame(x, columns=[f"x{i}" for i in range(features)])
+    frame["target"] = target.astype(np.float32)
+    return frame
+
+
+def build(model: str, features: int) -> nn.Module:
+    hidden, activation = MODELS[model]
+    torch.manual_seed(SEED)
+    return Network(features, hidden, 1, activation)
+
+
+def train_and_validation(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The same hold-out hvd-cpu takes with --val-fraction 0.1 --seed 0."""
+    train_rows, val_rows = split(len(frame), VAL_FRACTION, SEED)
+    return frame.iloc[train_rows.numpy()], frame.iloc[val_rows.numpy()]
+
+
+class CustomDataset(Dataset):
+    """The seed user's Dataset: one row per __getitem__."""
+
+    def __init__(self, x: pd.DataFrame, y: pd.DataFrame) -> None:
+        self.x = torch.tensor(x.values)
+        self.y = torch.tensor(y.values)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index], self.y[index]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+def validation_loss(model: nn.Module, val: pd.DataFrame) -> float:
+    x = torch.tensor(val.drop(columns=["target"]).values)
+    y = torch.tensor(val[["target"]].values)
+    model.eval()
+    with torch.no_grad():
+        loss = float(nn.functional.mse_loss(model(x), y))
+    model.train()
+    return loss
+
+
+def write_epochs(path: Path, epochs: list[dict]) -> None:
+    path.write_text("".join(json.dumps(e) + "\n" for e in epochs))

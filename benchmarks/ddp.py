@@ -1,0 +1,58 @@
+"""Contender (b): torchrun + DistributedDataParallel over gloo, written the way the PyTorch
+tutorials do: the per-row Dataset, a DistributedSampler, DataLoader, lr x world size (as
+hvd-cpu), threads = cores / processes (as hvd-cpu). Rank 0 validates, untimed.
+
+Usage: torchrun --nproc-per-node N benchmarks/ddp.py FRAME MODEL EPOCHS BATCH OUT.jsonl
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+from common import CustomDataset, build, train_and_validation, validation_loss, write_epochs
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+def main(frame_path: str, model_name: str, epochs: int, batch: int, out: str) -> None:
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
+    train, val = train_and_validation(pd.read_parquet(frame_path))
+    dataset = CustomDataset(train.drop(columns=["target"]), train[["target"]])
+    sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=True)
+    loader = DataLoader(dataset, batch_size=batch, sampler=sampler)
+    model = DistributedDataParallel(build(model_name, train.shape[1] - 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3 * size)
+    criterion = nn.MSELoss()
+    records = []
+    for epoch in range(1, epochs + 1):
+        sampler.set_epoch(epoch)
+        dist.barrier()
+        start = time.perf_counter()
+        for data, labels in loader:
+            optimizer.zero_grad()
+            loss = criterion(model(data), labels)
+            loss.backward()
+            optimizer.step()
+        dist.barrier()
+        seconds = time.perf_counter() - start
+        if rank == 0:
+            records.append(
+                {"epoch": epoch, "seconds": seconds, "samples": len(sampler) * size,
+                 "val_loss": validation_loss(model.module, val)}
+            )  # fmt: skip
+    if rank == 0:
+        write_epochs(Path(out), records)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])

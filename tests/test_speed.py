@@ -1,0 +1,167 @@
+"""The speed levers, checked for correctness (speed itself is measured in benchmarks/):
+local SGD averages exactly what it says, `hvd-cpu bench` measures and recommends, and
+horovodrun's build check is answered from the cache the install fills."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch.utils.data import DistributedSampler
+
+from hvd_cpu.data.features import FeatureTransform
+from hvd_cpu.models import Network, parameter_digest
+from hvd_cpu.optim import adam
+
+from .conftest import BIN, horovodrun, hvd_cpu, run
+from .test_jobs import load_model, metrics
+
+
+def _local_sgd_by_hand(
+    frame: pd.DataFrame, transform: FeatureTransform, ranks: int, batch: int, every: int
+) -> Network:
+    """One epoch of local SGD written out: each rank's Adam steps on its own shard, the
+    parameters are averaged every `every` steps and at the end."""
+    arrays = transform.arrays(frame)
+    x, y = torch.from_numpy(arrays.x), torch.from_numpy(arrays.y)
+    torch.manual_seed(0)
+    start = Network(x.shape[1])
+    models = [Network(x.shape[1]) for _ in range(ranks)]
+    for model in models:
+        model.load_state_dict(start.state_dict())
+    optimizers = [adam(m.parameters(), lr=1e-3) for m in models]
+    shards = [
+        list(DistributedSampler(range(len(x)), num_replicas=ranks, rank=r, shuffle=False))
+        for r in range(ranks)
+    ]
+
+    def average() -> None:
+        with torch.no_grad():
+            for group in zip(*(m.parameters() for m in models), strict=True):
+                mean = torch.stack(group).sum(0) / ranks
+                for p in group:
+                    p.copy_(mean)
+
+    steps = -(-len(shards[0]) // batch)
+    for step in range(steps):
+        for model, optimizer, shard in zip(models, optimizers, shards, strict=True):
+            rows = torch.tensor(shard[step * batch : (step + 1) * batch])
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+            optimizer.step()
+        if (step + 1) % every == 0:
+            average()
+    average()
+    return models[0]
+
+
+def test_local_sgd_averages_parameters_every_k_steps(demo_parquet: Path, tmp_path: Path):
+    out = tmp_path / "local"
+    job = horovodrun(
+        2, "train", "--data", str(demo_parquet), "--epochs", "1", "--no-shuffle",
+        "--val-fraction", "0", "--sync-every", "5", "--output", str(out),
+    )  # fmt: skip
+    assert job.returncode == 0, job.stdout + job.stderr
+    ranks = json.loads((out / "ranks.json").read_text())
+    trained = load_model(out)
+    assert {r["param_sha256"] for r in ranks} == {parameter_digest(trained)}
+    (epoch,) = metrics(out)
+    assert epoch["lr"] == 1e-3, "local SGD steps see one rank's batch: the lr is not scaled"
+    assert 0 < epoch["wait_seconds"] < epoch["seconds"]
+
+    transform = FeatureTransform.from_dict(json.loads((out / "features.json").read_text()))
+    by_hand = _local_sgd_by_hand(pd.read_parquet(demo_parquet), transform, 2, 64, 5)
+    for ours, expected in zip(trained.parameters(), by_hand.parameters(), strict=True):
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_sync_every_1_is_the_default_and_one_process_ignores_k(demo_parquet, tmp_path):
+    common = ["train", "--data", str(demo_parquet), "--epochs", "2"]
+    digests = []
+    for name, extra in [("default", []), ("k1", ["--sync-every", "1"])]:
+        job = horovodrun(2, *common, *extra, "--output", str(tmp_path / name))
+        assert job.returncode == 0, job.stderr
+        digests.append(json.loads((tmp_path / name / "ranks.json").read_text())[0])
+        assert "waiting for other ranks" in job.stdout
+    assert digests[0]["param_sha256"] == digests[1]["param_sha256"]
+    assert all(d["first_step_unix"] > 0 for d in digests)
+
+    alone = [hvd_cpu(*common, *extra, "--output", str(tmp_path / f"alone{i}"))
+             for i, extra in enumerate([[], ["--sync-every", "4"]])]  # fmt: skip
+    assert all(job.returncode == 0 for job in alone)
+    single = [json.loads((tmp_path / f"alone{i}" / "ranks.json").read_text()) for i in (0, 1)]
+    assert single[0][0]["param_sha256"] == single[1][0]["param_sha256"]
+
+
+def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    args = ["bench", "--rows", "4096", "--processes", "1,2", "--batch-size", "64,256"]
+    args += ["--sync-every", "1,4", "--output", str(out)]
+    job = hvd_cpu(*args, timeout=600)
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert "recommended: -np " in job.stdout
+
+    report = json.loads((out / "bench.json").read_text())
+    settings = {
+        (m["setting"]["processes"], m["setting"]["threads"], m["setting"]["batch_size"],
+         m["setting"]["sync_every"])
+        for m in report["measurements"]
+    }  # fmt: skip
+    cores = report["machine"]["cores"]
+    threads = sorted({1, cores})
+    expected = {(1, t, b, 1) for t in threads for b in (64, 256)}
+    expected |= {(2, max(1, cores // 2), b, k) for b in (64, 256) for k in (1, 4)}
+    assert settings == expected
+    for m in report["measurements"]:
+        assert m["samples_per_s"] > 0
+        assert m["compute_ms"] > 0 and m["wait_ms"] >= 0
+        assert abs(m["compute_ms"] + m["wait_ms"] - m["step_ms"]) < 1e-6
+        if m["setting"]["processes"] == 1:
+            assert m["wait_ms"] < m["compute_ms"], "one process has nobody to wait for"
+    fastest = max(report["measurements"], key=lambda m: m["samples_per_s"])
+    asked = [
+        m for m in report["measurements"]
+        if m["setting"]["batch_size"] == 64 and m["setting"]["sync_every"] == 1
+    ]  # fmt: skip
+    recommended = report["recommendation"]["setting"]
+    assert recommended in (
+        fastest["setting"],
+        max(asked, key=lambda m: m["samples_per_s"])["setting"],
+    )
+    assert [launch["processes"] for launch in report["launches"]] == [1, 2]
+    assert all(launch["seconds_to_first_step"] > 0 for launch in report["launches"])
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", (out / "bench.png").read_bytes()[16:24])[0] > 100
+
+    again = hvd_cpu(*args)
+    assert again.returncode == 2
+    assert again.stderr.strip().splitlines() == [
+        f"hvd-cpu: error: {out} holds an earlier bench; pass --overwrite or another --output"
+    ]
+
+
+def test_bench_refuses_to_run_under_horovodrun(tmp_path: Path) -> None:
+    job = horovodrun(2, "bench", "--output", str(tmp_path / "b"))
+    assert job.returncode == 2
+    errors = [text for _, text in job.rank_lines() if "error" in text]
+    assert errors == [
+        "hvd-cpu: error: hvd-cpu bench launches its own jobs: run it without horovodrun"
+    ]
+
+
+def test_horovodrun_build_check_is_answered_from_the_cache() -> None:
+    """The install ran `horovodrun --check-build`, which filled the cache beside Horovod's
+    torch extension; every later launch reads it instead of importing torch twice."""
+    checked = run([str(BIN / "horovodrun"), "--check-build"])
+    assert checked.returncode == 0
+    import horovod
+
+    cache = json.loads((Path(horovod.__file__).parent / ".build-checks.json").read_text())
+    assert {key: answer for key, (_, answer) in cache.items() if key.startswith("torch|")} == {
+        "torch|built with MPI": False,
+        "torch|built with Gloo": True,
+    }
+    assert all("mpi_lib_v2" in fingerprint for fingerprint, _ in cache.values())
