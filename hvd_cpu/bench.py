@@ -1,9 +1,11 @@
 """`hvd-cpu bench`: measure, on this machine, which process count, threads per rank, per-rank
 batch and sync interval train a given frame and model fastest, and say so honestly.
 
-For each process count it launches one job (Horovod's programmatic launcher, as
-`hvd_cpu.fit` does). In it, every setting trains from the same start for a few epochs with
-the real training loop; the last epoch is timed (the first pays for warm-up). A step's time
+For each process count and thread count it launches one job (Horovod's programmatic
+launcher, as `hvd_cpu.fit` does: changing torch's thread count inside a running process
+measured up to 5x slower than starting with it). In the job, every setting trains from the
+same start for a few epochs with the real training loop; the last epoch is timed (the first
+pays for warm-up). A step's time
 splits into compute and the wait for the other ranks (the gradient allreduce, or the
 parameter average of local SGD).
 """
@@ -57,8 +59,8 @@ class Measurement:
     step_ms: float  # per rank
     compute_ms: float  # of step_ms: forward, backward, update, fetching the batch
     wait_ms: float  # of step_ms: waiting for the other ranks
-    speedup: float = 1.0  # vs one process, one thread, the same per-rank batch
-    efficiency: float = 1.0  # speedup / cores used (processes x threads)
+    speedup: float | None = None  # vs one process, one thread, the same per-rank batch
+    efficiency: float | None = None  # speedup / cores used (processes x threads)
 
 
 @dataclass(frozen=True)
@@ -83,26 +85,32 @@ def default_process_counts(cores: int) -> tuple[int, ...]:
     return tuple(sorted({1, 2, cores}))
 
 
-def settings_for(config: BenchConfig, processes: int) -> list[Setting]:
-    """One process tries one thread and all cores' threads; N processes share the cores
-    (as `train` does by default) and try each sync interval."""
-    if processes == 1:
-        threads, intervals = sorted({1, config.cores}), (1,)
-    else:
-        threads, intervals = [max(1, config.cores // processes)], config.sync_intervals
-    return [
-        Setting(processes, t, batch, sync)
-        for t in threads
-        for batch in config.batch_sizes
-        for sync in intervals
-    ]
+def jobs(config: BenchConfig) -> list[list[Setting]]:
+    """The settings of each job to launch. One process tries one thread and all cores'
+    threads; N processes share the cores (as `train` does by default) and try each sync
+    interval."""
+    found = []
+    for processes in config.process_counts:
+        if processes == 1:
+            threads, intervals = sorted({1, config.cores}), (1,)
+        else:
+            threads, intervals = [max(1, config.cores // processes)], config.sync_intervals
+        found += [
+            [
+                Setting(processes, t, batch, sync)
+                for batch in config.batch_sizes
+                for sync in intervals
+            ]
+            for t in threads
+        ]
+    return found
 
 
 def _measure_on_rank(
     train_config: TrainConfig, settings: list[Setting], epochs: int
 ) -> tuple[list[Measurement], float] | InputError | None:
-    """Run on every rank: train each setting from the same start. Rank 0 returns the
-    measurements and the time of the first step (to measure the launch)."""
+    """Run on every rank: train each setting (all with the same threads) from the same start.
+    Rank 0 returns the measurements and the time of the first step (to measure the launch)."""
     try:
         world = dist.init(settings[0].threads)
         prepared = prepare(train_config, world)
@@ -111,7 +119,6 @@ def _measure_on_rank(
     first_step = time.time()
     measurements = []
     for setting in settings:
-        torch.set_num_threads(setting.threads)
         config = replace(train_config, batch_size=setting.batch_size, sync_every=setting.sync_every)
         trainer = build_trainer(config, world, prepared, copy.deepcopy(prepared.model))
         trainer.restore(None)
@@ -127,23 +134,27 @@ def _measure_on_rank(
 
 
 def run(config: BenchConfig, epochs: int) -> dict[str, Any]:
-    """Launch one job per process count and collect every setting's measurement."""
+    """Launch the jobs one after another and collect every setting's measurement."""
     measurements: list[Measurement] = []
     launches = []
-    for processes in config.process_counts:
+    for settings in jobs(config):
+        processes = settings[0].processes
         launched = time.time()
         results = dist.launch(
-            _measure_on_rank,
-            (config.train, settings_for(config, processes), epochs),
-            np=processes,
-            hosts=None,
+            _measure_on_rank, (config.train, settings, epochs), np=processes, hosts=None
         )
         errors = [r for r in results if isinstance(r, InputError)]
         if errors:
             raise errors[0]
         found, first_step = results[0]
         measurements += found
-        launches.append({"processes": processes, "seconds_to_first_step": first_step - launched})
+        launches.append(
+            {
+                "processes": processes,
+                "threads": settings[0].threads,
+                "seconds_to_first_step": first_step - launched,
+            }
+        )
     _relate(measurements)
     return {
         "machine": {
@@ -225,7 +236,7 @@ def _why(best: Measurement, as_asked: list[Measurement]) -> str:
         return text
     return (
         f"{best.setting.processes} processes are fastest at this batch "
-        f"({best.samples_per_s:,.0f} samples/s, {best.speedup:.2f}x one process with one "
+        f"({best.samples_per_s:,.0f} samples/s, {_times(best.speedup)} one process with one "
         f"thread; {best.wait_ms:.2f} ms of each {best.step_ms:.2f} ms step is waiting)"
     )
 
@@ -236,13 +247,17 @@ def table(report: dict[str, Any]) -> str:
     header = f"{'samples/s':>11}  {'step ms':>8}  {'wait ms':>8}  {'speed-up':>8}  setting"
     lines = [header] + [
         f"{m['samples_per_s']:>11,.0f}  {m['step_ms']:>8.3f}  {m['wait_ms']:>8.3f}  "
-        f"{m['speedup']:>7.2f}x  {m['label']}"
+        f"{_times(m['speedup']):>8}  {m['label']}"
         for m in rows
     ]
     recommendation = report["recommendation"]
     lines += ["", f"recommended: {recommendation['label']}"]
     lines += [f"  - {reason}" for reason in recommendation["reasons"]]
     return "\n".join(lines)
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

@@ -131,7 +131,8 @@ def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
         fastest["setting"],
         max(asked, key=lambda m: m["samples_per_s"])["setting"],
     )
-    assert [launch["processes"] for launch in report["launches"]] == [1, 2]
+    launched = [(launch["processes"], launch["threads"]) for launch in report["launches"]]
+    assert launched == [(1, t) for t in threads] + [(2, max(1, cores // 2))]
     assert all(launch["seconds_to_first_step"] > 0 for launch in report["launches"])
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", (out / "bench.png").read_bytes()[16:24])[0] > 100
@@ -165,3 +166,16 @@ def test_horovodrun_build_check_is_answered_from_the_cache() -> None:
         "torch|built with Gloo": True,
     }
     assert all("mpi_lib_v2" in fingerprint for fingerprint, _ in cache.values())
+
+
+def test_programmatic_launch_keeps_horovods_default_cycle_time_and_cache() -> None:
+    """Horovod 0.28.1's horovod.run() set HOROVOD_CYCLE_TIME='(None,)' (a background thread
+    that never sleeps) and HOROVOD_CACHE_CAPACITY='(None,)'; the project's patch fixes it."""
+    code = (
+        "import os; from hvd_cpu import dist; "
+        "names = ('HOROVOD_CYCLE_TIME', 'HOROVOD_CACHE_CAPACITY'); "
+        "print(dist.launch(lambda: [os.environ.get(n) for n in names], (), 2, None))"
+    )
+    out = run([str(BIN / "python"), "-c", code])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[[None, None], [None, None]]"
