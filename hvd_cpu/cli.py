@@ -444,6 +444,9 @@ def main() -> None:
     except click.ClickException as exc:
         _fail(exc.show, exc.exit_code)
     except InputError as exc:
+        from hvd_cpu import dist
+
+        dist.leave_together()  # every rank of the job raised it at the same point
         message = f"hvd-cpu: error: {' '.join(str(exc).split())}"
         _fail(lambda: print(message, file=sys.stderr), InputError.exit_code)
     except Exception as exc:

@@ -116,6 +116,19 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def leave_together(timeout: float = 5.0) -> None:
+    """Shut Horovod down with the other ranks before an early exit (bad input, seen by all).
+
+    A rank that exits at once while a peer's background loop still talks to it makes that
+    peer print Horovod's "Connection closed by peer" error. A normal exit avoids this through
+    Horovod's atexit shutdown, which exit_now skips. If a peer never joins, go after `timeout`.
+    """
+    if hvd.is_initialized():
+        leaving = threading.Thread(target=hvd.shutdown, name="leave-together", daemon=True)
+        leaving.start()
+        leaving.join(timeout)
+
+
 def build_info() -> dict[str, bool]:
     """What this Horovod build can do (horovodrun --check-build, as data)."""
     return {"pytorch": True, "gloo": bool(hvd.gloo_built()), "mpi": bool(hvd.mpi_built())}
