@@ -18,12 +18,16 @@ from hvd_cpu.errors import InputError
 
 
 def _fail(show: Callable[[], None], code: int) -> NoReturn:
-    """Rank 0 shows the error; every rank exits with `code` at once, without teardown."""
+    """Rank 0 shows the error; every rank of a launched job exits with `code` at once, without
+    teardown. A process nobody launched (a plain run, bench's parent) has no peers to wait
+    for, and tears down normally: skipping it would leak what its own launches left."""
     # Imported lazily: `hvd-cpu --help` and make-demo-data should not pay for loading Horovod.
     from hvd_cpu import dist
 
     if dist.launch_rank() == 0:
         show()
+    if not dist.launch_rank_known():
+        sys.exit(code)
     dist.exit_now(code)
 
 

@@ -179,3 +179,14 @@ def test_programmatic_launch_keeps_horovods_default_cycle_time_and_cache() -> No
     out = run([str(BIN / "python"), "-c", code])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[[None, None], [None, None]]"
+
+
+def test_bench_with_missing_data_says_one_line(tmp_path: Path) -> None:
+    job = hvd_cpu("bench", "--data", str(tmp_path / "nope.parquet"), "--processes", "1,2",
+                  "--output", str(tmp_path / "b"))  # fmt: skip
+    assert job.returncode == 2
+    assert job.stdout == ""
+    assert job.stderr.splitlines() == [
+        f"hvd-cpu: error: data file not found: {tmp_path / 'nope.parquet'}; check the path "
+        "(it must exist on every host)"
+    ]
