@@ -244,10 +244,13 @@ def _why(best: Measurement, as_asked: list[Measurement]) -> str:
 def table(report: dict[str, Any]) -> str:
     """The measurements as aligned text, fastest first, and the recommendation."""
     rows = sorted(report["measurements"], key=lambda m: -m["samples_per_s"])
-    header = f"{'samples/s':>11}  {'step ms':>8}  {'wait ms':>8}  {'speed-up':>8}  setting"
+    header = (
+        f"{'samples/s':>11}  {'step ms':>8}  {'wait ms':>8}  {'speed-up':>8}  "
+        f"{'efficiency':>10}  setting"
+    )
     lines = [header] + [
         f"{m['samples_per_s']:>11,.0f}  {m['step_ms']:>8.3f}  {m['wait_ms']:>8.3f}  "
-        f"{_times(m['speedup']):>8}  {m['label']}"
+        f"{_times(m['speedup']):>8}  {_share(m['efficiency']):>10}  {m['label']}"
         for m in rows
     ]
     recommendation = report["recommendation"]
@@ -258,6 +261,10 @@ def table(report: dict[str, Any]) -> str:
 
 def _times(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _share(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.0%}"
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
