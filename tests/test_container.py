@@ -100,3 +100,17 @@ def test_the_image_has_no_build_tools(image: str) -> None:
         capture_output=True, text=True, env={**os.environ, **containers_conf()}, check=True,
     ).stdout.strip()  # fmt: skip
     print(f"image size: {int(size) / 2**20:.0f} MiB")
+
+
+def test_horovodrun_in_the_image_answers_its_build_check_from_the_cache(image: str) -> None:
+    """The build stage's `horovodrun --check-build` filled the cache; it must still hold after
+    the copy into the runtime stage, or every launch in the container pays 2 torch imports.
+    A hit leaves the cache file as it was; a miss would rewrite it with a new fingerprint."""
+    cache = "/opt/venv/lib/python3.11/site-packages/horovod/.build-checks.json"
+    job = podman(
+        image, "sh", "-c", f"cat {cache}; echo; horovodrun -np 1 true >/dev/null; cat {cache}"
+    )
+    assert job.returncode == 0, job.stderr
+    before, after = job.stdout.strip().splitlines()
+    assert before == after
+    assert json.loads(after)["torch|built with Gloo"][1] is True
