@@ -42,7 +42,10 @@ RUN apt-get update \
  && mkdir -p /run/sshd
 COPY --from=build /opt/venv /opt/venv
 # Also on the PATH of ssh sessions (multi-host mode), which do not see the ENV below.
-RUN ln -s /opt/venv/bin/hvd-cpu /opt/venv/bin/horovodrun /usr/local/bin/
+# --check-build fills horovodrun's cache of build checks again: it is keyed on the extension's
+# mtime, which the copy between stages does not keep exactly.
+RUN ln -s /opt/venv/bin/hvd-cpu /opt/venv/bin/horovodrun /usr/local/bin/ \
+ && horovodrun --check-build >/dev/null
 COPY launch/container-entrypoint.sh /usr/local/bin/hvd-cpu-entrypoint
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /work
