@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from hvd_cpu.models import Network
 from hvd_cpu.prepare import split
@@ -59,6 +59,16 @@ class CustomDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.x)
+
+
+def seed_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer) -> None:
+    """One pass of the seed user's inner loop, as they wrote it."""
+    criterion = nn.MSELoss()
+    for data, labels in loader:
+        optimizer.zero_grad()
+        loss = criterion(model(data), labels)
+        loss.backward()
+        optimizer.step()
 
 
 def validation_loss(model: nn.Module, val: pd.DataFrame) -> float:

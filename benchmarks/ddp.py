@@ -15,8 +15,14 @@ from pathlib import Path
 import pandas as pd
 import torch
 import torch.distributed as dist
-from common import CustomDataset, build, train_and_validation, validation_loss, write_epochs
-from torch import nn
+from common import (
+    CustomDataset,
+    build,
+    seed_epoch,
+    train_and_validation,
+    validation_loss,
+    write_epochs,
+)
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -31,17 +37,12 @@ def main(frame_path: str, model_name: str, epochs: int, batch: int, out: str) ->
     loader = DataLoader(dataset, batch_size=batch, sampler=sampler)
     model = DistributedDataParallel(build(model_name, train.shape[1] - 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3 * size)
-    criterion = nn.MSELoss()
     records = []
     for epoch in range(1, epochs + 1):
         sampler.set_epoch(epoch)
         dist.barrier()
         start = time.perf_counter()
-        for data, labels in loader:
-            optimizer.zero_grad()
-            loss = criterion(model(data), labels)
-            loss.backward()
-            optimizer.step()
+        seed_epoch(model, loader, optimizer)
         dist.barrier()
         seconds = time.perf_counter() - start
         if rank == 0:

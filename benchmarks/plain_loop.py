@@ -12,8 +12,14 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from common import CustomDataset, build, train_and_validation, validation_loss, write_epochs
-from torch import nn
+from common import (
+    CustomDataset,
+    build,
+    seed_epoch,
+    train_and_validation,
+    validation_loss,
+    write_epochs,
+)
 from torch.utils.data import DataLoader
 
 
@@ -26,15 +32,10 @@ def main(frame_path: str, model_name: str, epochs: int, batch: int, out: str) ->
     )
     model = build(model_name, train.shape[1] - 1)
     optimizer = torch.optim.Adam(model.parameters())
-    criterion = nn.MSELoss()
     records = []
     for epoch in range(1, epochs + 1):
         start = time.perf_counter()
-        for data, labels in loader:
-            optimizer.zero_grad()
-            loss = criterion(model(data), labels)
-            loss.backward()
-            optimizer.step()
+        seed_epoch(model, loader, optimizer)
         seconds = time.perf_counter() - start
         records.append(
             {"epoch": epoch, "seconds": seconds, "samples": len(train),

@@ -15,16 +15,12 @@ import pandas as pd
 
 from hvd_cpu import dist
 from hvd_cpu.config import TrainConfig
-from hvd_cpu.errors import InputError
 from hvd_cpu.train import TrainResult, train
 
 
-def _rank_main(config: TrainConfig) -> TrainResult | InputError | None:
-    """What each rank runs: bad input comes back as a value so fit() can raise it cleanly."""
-    try:
-        result = train(config)
-    except InputError as exc:
-        return exc
+def _rank_main(config: TrainConfig) -> TrainResult | None:
+    """What each rank runs; rank 0 hands back the model and metrics."""
+    result = train(config)
     return result if dist.launch_rank() == 0 else None
 
 
@@ -52,8 +48,4 @@ def fit(
         else:
             path = Path(data)
         config = replace(config, data=path, output=Path(config.output).absolute())
-        results = dist.launch(_rank_main, (config,), np=np, hosts=hosts)
-    errors = [r for r in results if isinstance(r, InputError)]
-    if errors:
-        raise errors[0]
-    return results[0]
+        return dist.launch(_rank_main, (config,), np=np, hosts=hosts)[0]

@@ -108,14 +108,11 @@ def jobs(config: BenchConfig) -> list[list[Setting]]:
 
 def _measure_on_rank(
     train_config: TrainConfig, settings: list[Setting], epochs: int
-) -> tuple[list[Measurement], float] | InputError | None:
+) -> tuple[list[Measurement], float] | None:
     """Run on every rank: train each setting (all with the same threads) from the same start.
     Rank 0 returns the measurements and the time of the first step (to measure the launch)."""
-    try:
-        world = dist.init(settings[0].threads)
-        prepared = prepare(train_config, world)
-    except InputError as exc:
-        return exc
+    world = dist.init(settings[0].threads)
+    prepared = prepare(train_config, world)
     first_step = time.time()
     measurements = []
     for setting in settings:
@@ -140,13 +137,9 @@ def run(config: BenchConfig, epochs: int) -> dict[str, Any]:
     for settings in jobs(config):
         processes = settings[0].processes
         launched = time.time()
-        results = dist.launch(
+        found, first_step = dist.launch(
             _measure_on_rank, (config.train, settings, epochs), np=processes, hosts=None
-        )
-        errors = [r for r in results if isinstance(r, InputError)]
-        if errors:
-            raise errors[0]
-        found, first_step = results[0]
+        )[0]
         measurements += found
         launches.append(
             {

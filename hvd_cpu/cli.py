@@ -64,6 +64,20 @@ def _stacked(*decorators: Callable[[Callable[..., None]], Callable[..., None]]) 
     return apply
 
 
+# Options that more than one command takes, with one meaning.
+_format_option = click.option(
+    "--format",
+    type=click.Choice(["parquet", "pickle", "feather", "csv"]),
+    help="Read --data in this format whatever its extension.",
+)
+_lr_option = click.option(
+    "--lr",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1e-3,
+    show_default=True,
+    help="Adam's learning rate before scaling.",
+)
+
 # What to train on and what to train: the same options for `train` and `bench`.
 _data_and_model_options = _stacked(
     click.option(
@@ -72,11 +86,7 @@ _data_and_model_options = _stacked(
         help="DataFrame file: .parquet, .pkl/.pickle, .feather or .csv. "
         "Default: a generated demo frame.",
     ),
-    click.option(
-        "--format",
-        type=click.Choice(["parquet", "pickle", "feather", "csv"]),
-        help="Read --data in this format whatever its extension.",
-    ),
+    _format_option,
     click.option(
         "--target",
         "targets",
@@ -156,13 +166,7 @@ _data_and_model_options = _stacked(
     show_default=True,
     help="Rows per step on each rank; the global batch is this times the ranks.",
 )
-@click.option(
-    "--lr",
-    type=click.FloatRange(min=0, min_open=True),
-    default=1e-3,
-    show_default=True,
-    help="Adam's learning rate before scaling.",
-)
+@_lr_option
 @click.option(
     "--scale-lr/--no-scale-lr",
     default=True,
@@ -261,11 +265,7 @@ def train(**options: object) -> None:
     required=True,
     help="The rows to predict, with the training's feature columns.",
 )
-@click.option(
-    "--format",
-    type=click.Choice(["parquet", "pickle", "feather", "csv"]),
-    help="Read --data in this format whatever its extension.",
-)
+@_format_option
 @click.option(
     "--output",
     type=click.Path(path_type=Path, dir_okay=False),
@@ -327,7 +327,7 @@ def plot(output: Path) -> None:
     metavar="K,...",
     help="Sync intervals to try with several processes (1: gradients every step).",
 )
-@click.option("--lr", type=float, default=1e-3, show_default=True)
+@_lr_option
 @click.option(
     "--epochs",
     type=click.IntRange(min=2),

@@ -134,12 +134,35 @@ def build_info() -> dict[str, bool]:
     return {"pytorch": True, "gloo": bool(hvd.gloo_built()), "mpi": bool(hvd.mpi_built())}
 
 
+def _returning_input_errors(func: Callable[..., Any], *args: Any) -> Any:
+    """Run on a launched rank: bad input comes back as a value, not as a worker failure."""
+    try:
+        return func(*args)
+    except InputError as exc:
+        return exc
+
+
 def launch(
     func: Callable[..., Any], args: tuple[Any, ...], np: int, hosts: str | None
 ) -> list[Any]:
     """Run `func(*args)` on `np` new ranks over Gloo (Horovod's programmatic launcher, what
-    horovodrun does for a command) and return every rank's result, in rank order."""
-    return horovod.run(func, args=args, np=np, hosts=hosts, use_gloo=True, disable_cache=True)
+    horovodrun does for a command) and return every rank's result, in rank order.
+
+    Bad input on the ranks raises the same InputError here, with the message the command
+    line would print.
+    """
+    results = horovod.run(
+        _returning_input_errors,
+        args=(func, *args),
+        np=np,
+        hosts=hosts,
+        use_gloo=True,
+        disable_cache=True,
+    )
+    errors = [result for result in results if isinstance(result, InputError)]
+    if errors:
+        raise errors[0]
+    return results
 
 
 def end_with_parent() -> None:
