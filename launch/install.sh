@@ -2,11 +2,10 @@
 # Install hvd-cpu and a Horovod that builds against current PyTorch, into one virtual environment.
 #
 # Horovod 0.28.1 (its last release) forces C++14, which PyTorch >= 2.1 headers refuse. This script
-# downloads the 0.28.1 sdist, applies the project's patches (launch/horovod-0.28.1-*.patch: C++17;
-# horovodrun ending with the failed worker's exit code, or one line for an unreachable host,
-# instead of a traceback), builds a Gloo + PyTorch wheel once, caches it (keyed by Horovod
-# version, torch version, Python ABI and patches), and installs it. A second run with the cache
-# takes seconds.
+# downloads the 0.28.1 sdist, applies the project's patches (launch/horovod-0.28.1-*.patch, each
+# named for what it fixes), builds a wheel with both controllers, MPI (Debian's Open MPI) and
+# Gloo, for PyTorch once, caches it (keyed by Horovod version, torch version, Python ABI, the Open
+# MPI version and the patches), and installs it. A second run with the cache takes seconds.
 #
 # Usage: launch/install.sh [--test]     (--test also installs what the test suite needs)
 # Environment:
@@ -31,15 +30,22 @@ with_test=0
 say() { printf 'install: %s\n' "$*" >&2; }
 die() { printf 'install: error: %s\n' "$*" >&2; exit 1; }
 
-# Debian packages: what the Horovod build needs, plus what the multi-host tests need.
+# Debian packages: what the Horovod build needs (Open MPI's compiler wrappers and headers
+# included), plus what the multi-host tests need.
 need_debs=()
-for tool in g++:g++ make:make cmake:cmake patch:patch; do
+for tool in g++:g++ make:make cmake:cmake patch:patch mpirun:openmpi-bin mpicxx:libopenmpi-dev; do
   command -v "${tool%%:*}" >/dev/null || need_debs+=("${tool##*:}")
 done
 if ((with_test)); then
   command -v sshd >/dev/null || [[ -x /usr/sbin/sshd ]] || need_debs+=(openssh-server)
   command -v ssh >/dev/null || need_debs+=(openssh-client)
   command -v ip >/dev/null || need_debs+=(iproute2)
+  # The SLURM tests' one-machine cluster. srun --mpi=pmix's plugin (in slurm-wlm-basic-plugins,
+  # which slurmd pulls in) dlopens pmix2/lib/libpmix.so, which only libpmix-dev ships.
+  for tool in munged:munge slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client; do
+    command -v "${tool%%:*}" >/dev/null || [[ -x /usr/sbin/${tool%%:*} ]] || need_debs+=("${tool##*:}")
+  done
+  compgen -G '/usr/lib/*/pmix2/lib/libpmix.so' >/dev/null || need_debs+=(libpmix-dev)
 fi
 if ((${#need_debs[@]})); then
   if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
@@ -71,12 +77,14 @@ fi
 torch_version=$("$py" -c 'import torch; print(torch.__version__)')
 abi=$("$py" -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")')
 patch_id=$(cat "${patches[@]}" | sha256sum | cut -c1-12)
-wheel_dir=$cache/wheels/horovod-$HOROVOD_VERSION-torch$torch_version-$abi-$patch_id
+ompi_version=$(mpirun --version 2>/dev/null | sed -n 's/^mpirun (Open MPI) //p')
+[[ -n $ompi_version ]] || die "mpirun is not Open MPI's; install Debian's openmpi-bin and libopenmpi-dev"
+wheel_dir=$cache/wheels/horovod-$HOROVOD_VERSION-torch$torch_version-$abi-ompi$ompi_version-$patch_id
 
 # Quick check on every run; the full `horovodrun --check-build` (7 s) runs after an install.
 horovod_ok() {
   "$py" -c "import horovod, horovod.torch as hvd
-assert horovod.__version__ == '$HOROVOD_VERSION' and hvd.gloo_built()" 2>/dev/null
+assert horovod.__version__ == '$HOROVOD_VERSION' and hvd.gloo_built() and hvd.mpi_built()" 2>/dev/null
 }
 
 build_horovod_wheel() {
@@ -84,7 +92,7 @@ build_horovod_wheel() {
   work=$(mktemp -d "${TMPDIR:-/tmp}/hvd-cpu-horovod-build.XXXXXX")
   log=$cache/horovod-build.log
   mkdir -p "$cache"
-  say "building Horovod $HOROVOD_VERSION against torch $torch_version (about 3 minutes on 2 cores); log: $log"
+  say "building Horovod $HOROVOD_VERSION against torch $torch_version (about 5 to 9 minutes on 2 cores); log: $log"
   "${pip[@]}" install setuptools wheel cloudpickle psutil pyyaml packaging
   "${pip[@]}" download --no-deps --no-binary :all: --no-build-isolation "horovod==$HOROVOD_VERSION" -d "$work" >"$log" 2>&1 ||
     die "could not download the horovod $HOROVOD_VERSION sdist from the package index; log: $log"
@@ -93,8 +101,10 @@ build_horovod_wheel() {
     patch -d "$work/horovod-$HOROVOD_VERSION" -p1 <"$patch_file" >>"$log" 2>&1 ||
       die "could not apply $patch_file to the horovod sdist; log: $log"
   done
-  if ! HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
-    HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo \
+  # Both controllers; no HOROVOD_CPU_OPERATIONS, so each runs its own tensor operations (Gloo's
+  # under the MPI controller crash).
+  if ! HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
+    HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
     "$py" -m pip wheel --no-deps --no-build-isolation -w "$work/dist" "$work/horovod-$HOROVOD_VERSION" >>"$log" 2>&1; then
     tail -n 20 "$log" >&2
     die "the Horovod build failed (last lines above); full log: $log"
@@ -112,9 +122,10 @@ if [[ $(cat "$horovod_stamp" 2>/dev/null) != "$wheel_dir" ]] || ! horovod_ok; th
   "${pip[@]}" install "$wheel_dir"/horovod-*.whl
   horovod_ok || die "Horovod installed from $wheel_dir but 'import horovod.torch' fails; delete that folder and rerun"
   check=$("$venv/bin/horovodrun" --check-build 2>&1) || true
-  if ! grep -q '\[X\] PyTorch' <<<"$check" || ! grep -q '\[X\] Gloo' <<<"$check"; then
+  if ! grep -q '\[X\] PyTorch' <<<"$check" || ! grep -q '\[X\] Gloo' <<<"$check" ||
+    ! grep -q '\[X\] MPI' <<<"$check"; then
     "${pip[@]}" uninstall -y horovod
-    die "Horovod from $wheel_dir lacks PyTorch or Gloo (horovodrun --check-build below); delete that folder and rerun"$'\n'"$check"
+    die "Horovod from $wheel_dir lacks PyTorch, Gloo or MPI (horovodrun --check-build below); delete that folder and rerun"$'\n'"$check"
   fi
   echo "$wheel_dir" >"$horovod_stamp"
 fi
@@ -137,4 +148,4 @@ if ! up_to_date; then
   printf '%s\n%s\n' "$installed" "$([[ $with_test == 1 ]] && echo test)" >"$stamp"
 fi
 
-say "ready: $venv (torch $torch_version, Horovod $HOROVOD_VERSION with PyTorch + Gloo)"
+say "ready: $venv (torch $torch_version, Horovod $HOROVOD_VERSION with PyTorch, MPI (Open MPI $ompi_version) and Gloo)"
