@@ -1,4 +1,4 @@
-"""hvd-cpu: data-parallel PyTorch training on CPU processes and CPU hosts with Horovod over Gloo."""
+"""hvd-cpu: data-parallel PyTorch training on CPU processes and hosts with Horovod (MPI or Gloo)."""
 
 from typing import Any
 

@@ -17,15 +17,20 @@ from hvd_cpu import __version__
 from hvd_cpu.errors import InputError
 
 
-def _fail(show: Callable[[], None], code: int) -> NoReturn:
+def _fail(show: Callable[[], None], code: int, together: bool = False) -> NoReturn:
     """Rank 0 shows the error; every rank of a launched job exits with `code` at once, without
-    teardown. A process nobody launched (a plain run, bench's parent) has no peers to wait
-    for, and tears down normally: skipping it would leak what its own launches left."""
+    teardown (after leaving Horovod with the others, if `together`: all of them met the error
+    at the same point). Rank 0 prints first: a launcher may kill the job as soon as any rank
+    exits (srun --kill-on-bad-exit). A process nobody launched (a plain run, bench's parent)
+    has no peers to wait for, and tears down normally: skipping it would leak what its own
+    launches left."""
     # Imported lazily: `hvd-cpu --help` and make-demo-data should not pay for loading Horovod.
     from hvd_cpu import dist
 
     if dist.launch_rank() == 0:
         show()
+    if together:
+        dist.leave_together()
     if not dist.launch_rank_known():
         sys.exit(code)
     dist.exit_now(code)
@@ -34,9 +39,11 @@ def _fail(show: Callable[[], None], code: int) -> NoReturn:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hvd-cpu")
 def cli() -> None:
-    """Train PyTorch models on a pandas DataFrame over all CPU cores and hosts (Horovod, Gloo).
+    """Train PyTorch models on a pandas DataFrame over all CPU cores and hosts (Horovod).
 
-    Start it with `horovodrun -np N hvd-cpu train ...`; alone it runs as a job of one.
+    Start it with `horovodrun --mpi -np N hvd-cpu train ...` (MPI: shared memory between the
+    ranks of a host), `horovodrun --gloo -np N ...` (Gloo over TCP) or `mpirun -np N ...`;
+    alone it runs as a job of one.
     """
 
 
@@ -195,6 +202,15 @@ _data_and_model_options = _stacked(
     "parameters are averaged every K steps (and each epoch's end); the lr is not scaled.",
 )
 @click.option(
+    "--allreduce",
+    type=click.Choice(["horovod", "direct"]),
+    default="horovod",
+    show_default=True,
+    help="How gradients are averaged each step: horovod, hvd.DistributedOptimizer; direct, one "
+    "MPI allreduce of all gradients from the training loop (MPI controller only; far less "
+    "overhead per step).",
+)
+@click.option(
     "--output",
     type=click.Path(path_type=Path, file_okay=False),
     default=Path("runs/hvd-cpu"),
@@ -327,6 +343,15 @@ def plot(output: Path) -> None:
     metavar="K,...",
     help="Sync intervals to try with several processes (1: gradients every step).",
 )
+@click.option(
+    "--controller",
+    "controllers",
+    callback=_names,
+    default="mpi,gloo",
+    show_default=True,
+    metavar="NAME,...",
+    help="Horovod controllers to try with several processes: mpi, gloo.",
+)
 @_lr_option
 @click.option(
     "--epochs",
@@ -348,12 +373,14 @@ def bench(
     processes: tuple[int, ...],
     batch_sizes: tuple[int, ...],
     sync_intervals: tuple[int, ...],
+    controllers: tuple[str, ...],
     epochs: int,
     overwrite: bool,
     **options: object,
 ) -> None:
-    """Measure which process count, threads, per-rank batch and sync interval train this data
-    and model fastest here; launches the jobs itself (run it without horovodrun)."""
+    """Measure which process count, controller (MPI or Gloo), threads, per-rank batch, sync
+    interval and gradient allreduce train this data and model fastest here, and print the
+    command that runs it; launches the jobs itself (run it without horovodrun)."""
     from hvd_cpu import bench as benchmark
     from hvd_cpu import dist
     from hvd_cpu.config import DEMO_FEATURES, TrainConfig
@@ -381,6 +408,7 @@ def bench(
         batch_sizes=batch_sizes,
         sync_intervals=sync_intervals,
         cores=cores,
+        controllers=controllers,
     )
     report = benchmark.run(config, epochs)
     benchmark.write(report, output)
@@ -448,11 +476,8 @@ def main() -> None:
     except click.ClickException as exc:
         _fail(exc.show, exc.exit_code)
     except InputError as exc:
-        from hvd_cpu import dist
-
-        dist.leave_together()  # every rank of the job raised it at the same point
         message = f"hvd-cpu: error: {' '.join(str(exc).split())}"
-        _fail(lambda: print(message, file=sys.stderr), InputError.exit_code)
+        _fail(lambda: click.echo(message, err=True), InputError.exit_code, together=True)
     except Exception as exc:
         from hvd_cpu import dist
 
@@ -460,5 +485,5 @@ def main() -> None:
             raise
         # Every surviving rank sees this, so each says it once, in one line, with its rank.
         rank, reason = dist.launch_rank(), " ".join(str(exc).split())
-        print(f"hvd-cpu: rank {rank}: lost another rank of the job ({reason})", file=sys.stderr)
+        click.echo(f"hvd-cpu: rank {rank}: lost another rank of the job ({reason})", err=True)
         dist.exit_now(1)

@@ -13,6 +13,8 @@ from hvd_cpu.errors import InputError
 # seed's model reaches the noise floor in two epochs and then only jitters).
 DEMO_ROWS = 2048
 DEMO_FEATURES = 16
+# Horovod's two controllers, as the summary and bench name them.
+CONTROLLER_NAMES = {"mpi": "MPI", "gloo": "Gloo"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,10 @@ class TrainConfig:
     # K > 1: local SGD, each rank steps on its own and parameters are averaged every K steps
     # and at the end of each epoch: K times fewer waits for the other ranks.
     sync_every: int = 1
+    # How gradients are averaged every step: "horovod", hvd.DistributedOptimizer (Horovod's
+    # background thread, either controller); "direct", one MPI_Allreduce of all gradients in
+    # the training thread (MPI controller only: much less per-step overhead, see README).
+    allreduce: Literal["horovod", "direct"] = "horovod"
     # validation and stopping
     val_fraction: float = 0.1  # held out (by seed) and sharded across ranks; 0: none
     patience: int | None = None  # stop after this many epochs without a better validation loss
@@ -89,6 +95,11 @@ class TrainConfig:
             raise InputError("--patience watches the validation loss: set --val-fraction above 0")
         if self.resume and self.overwrite:
             raise InputError("--resume continues the checkpoint, --overwrite discards it: pick one")
+
+    @property
+    def horovod_steps(self) -> bool:
+        """Whether training steps go through Horovod (its DistributedOptimizer)."""
+        return self.allreduce == "horovod" and self.sync_every == 1
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (paths as strings), for checkpoints and the exported model."""

@@ -1,7 +1,9 @@
 """Every direct Horovod call of hvd-cpu, so the rest of the code never imports Horovod.
 
-Keeping them in one place is what lets a second launcher (MPI) or Horovod's elastic mode
-replace how ranks start and agree without touching the data or training code.
+Horovod has two controllers, and which one a job uses is decided by how it was started:
+`horovodrun --gloo` (or a plain process) runs Gloo over TCP; `horovodrun --mpi`, `mpirun`,
+`srun --mpi=pmix` or a user's own mpi4py program run MPI, whose shared-memory transport is
+what makes several ranks on one host pay. The data and training code see only a `World`.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -24,11 +27,21 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
+from hvd_cpu.config import CONTROLLER_NAMES
 from hvd_cpu.errors import InputError
 
 # Environment variables through which launchers tell a process its rank before init.
-RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+# Set by an MPI launcher (mpirun, horovodrun --mpi, srun --mpi=pmix), not by horovodrun --gloo.
+MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# Horovod's background thread runs a collective with every other rank each cycle, busy or not.
+# When no step needs it (--allreduce direct, local SGD over MPI) a long cycle keeps it from
+# taking the training thread's core a thousand times a second.
+IDLE_CYCLE_MS = "100"
+# Under MPI: our own duplicate of the job's communicator, which hvd-cpu's collectives use
+# directly (microseconds) instead of Horovod's cycle (milliseconds). None under Gloo.
+_job_comm: Any = None
 # Raised by a collective when another rank has gone (crashed, killed, host lost).
 PeerLost = hvd.HorovodInternalError
 
@@ -42,6 +55,8 @@ class World:
     local_rank: int
     local_size: int
     threads: int
+    controller: str = "gloo"  # "mpi" or "gloo": who carries Horovod's collectives
+    comm: Any = None  # MPI only: an mpi4py communicator of the job's ranks, for our own calls
 
     @property
     def is_root(self) -> bool:
@@ -143,20 +158,29 @@ def _returning_input_errors(func: Callable[..., Any], *args: Any) -> Any:
 
 
 def launch(
-    func: Callable[..., Any], args: tuple[Any, ...], np: int, hosts: str | None
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    np: int,
+    hosts: str | None,
+    controller: str = "gloo",
 ) -> list[Any]:
-    """Run `func(*args)` on `np` new ranks over Gloo (Horovod's programmatic launcher, what
-    horovodrun does for a command) and return every rank's result, in rank order.
+    """Run `func(*args)` on `np` new ranks over `controller` (Horovod's programmatic launcher,
+    what horovodrun does for a command) and return every rank's result, in rank order.
 
     Bad input on the ranks raises the same InputError here, with the message the command
     line would print.
     """
+    if controller not in CONTROLLER_NAMES:
+        raise InputError(f"unknown controller {controller!r}: choose gloo or mpi")
+    if controller == "mpi":
+        check_mpi_launcher()
     results = horovod.run(
         _returning_input_errors,
         args=(func, *args),
         np=np,
         hosts=hosts,
-        use_gloo=True,
+        use_gloo=controller == "gloo",
+        use_mpi=controller == "mpi",
         disable_cache=True,
     )
     errors = [result for result in results if isinstance(result, InputError)]
@@ -179,19 +203,86 @@ def end_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def init(threads: int | None = None) -> World:
+def check_mpi_launcher() -> None:
+    """Before launching over MPI: this Horovod must have MPI, and mpirun must be there."""
+    if not hvd.mpi_built():
+        raise InputError(
+            "this Horovod was built without MPI; rebuild it with launch/install.sh, or use "
+            "the Gloo controller (horovodrun --gloo, controller='gloo')"
+        )
+    if shutil.which("mpirun") is None:
+        raise InputError(
+            "mpirun not found on PATH; install Open MPI (Debian: apt-get install openmpi-bin) "
+            "or use the Gloo controller (horovodrun --gloo, controller='gloo')"
+        )
+
+
+def mpi_launched() -> bool:
+    """Whether an MPI launcher started this process (and not horovodrun's Gloo launcher)."""
+    gloo = "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
+    return not gloo and any(name in os.environ for name in MPI_VARIABLES)
+
+
+def _mpi_communicator(comm: Any) -> Any:
+    """The communicator the job runs on: `comm`, or all ranks MPI started; MPI initialised
+    by mpi4py (which asks for MPI_THREAD_MULTIPLE) and checked for what Horovod needs."""
+    if not hvd.mpi_built():
+        raise InputError(
+            "started by an MPI launcher, but this Horovod was built without MPI; rebuild it "
+            "with launch/install.sh, or launch with horovodrun --gloo"
+        )
+    from mpi4py import MPI
+
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled"}
+        raise InputError(
+            f"MPI gives thread level {names.get(level, 'serialized')}, Horovod needs "
+            "MPI_THREAD_MULTIPLE; initialise MPI with it (mpi4py.rc.thread_level = 'multiple') "
+            "and use Open MPI's ob1 transport (mpirun --mca pml ob1), or launch with "
+            "horovodrun --gloo"
+        )
+    return MPI.COMM_WORLD if comm is None else comm
+
+
+def init(threads: int | None = None, comm: Any = None, horovod_steps: bool = True) -> World:
     """Join the job (a job of one without a launcher) and give this rank its share of cores.
 
-    Without a thread budget every rank would start one thread per core, and N ranks on N
-    cores would fight over N x N threads.
+    Under an MPI launcher, or on `comm` (an mpi4py communicator of a program of your own),
+    Horovod runs its MPI controller; otherwise Gloo's. Without a thread budget every rank
+    would start one thread per core, and N ranks on N cores would fight over N x N threads.
+    `horovod_steps=False` says no training step will use Horovod (see IDLE_CYCLE_MS).
     """
+    global _job_comm
     exit_quietly_on_signals()
     if launch_rank_known():
         end_with_parent()
-    hvd.init()
-    threads = threads or max(1, usable_cores() // hvd.local_size())
+    if comm is not None or mpi_launched():
+        comm = _mpi_communicator(comm)
+        if not horovod_steps:
+            os.environ.setdefault("HOROVOD_CYCLE_TIME", IDLE_CYCLE_MS)
+        hvd.init(comm=comm)
+        comm = _job_comm = comm.Dup()  # our messages never meet Horovod's or the caller's
+    else:
+        # A plain process is a job of one: Gloo's needs no launcher (MPI's would start a
+        # singleton MPI runtime for nothing).
+        os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
+        os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
+        hvd.init()
+    controller = "mpi" if hvd.mpi_enabled() else "gloo"
+    threads = threads or default_threads(hvd.local_size())
     torch.set_num_threads(threads)
-    return World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), threads)
+    return World(
+        hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), threads, controller, comm
+    )
+
+
+def default_threads(local_size: int) -> int:
+    """Torch threads per rank: what SLURM gave each task, else this host's cores shared out."""
+    given = os.environ.get("SLURM_CPUS_PER_TASK")
+    if given and given.isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, usable_cores() // local_size)
 
 
 def agree_on_error(message: str | None) -> None:
@@ -200,7 +291,7 @@ def agree_on_error(message: str | None) -> None:
     Every rank calls this once after reading its input, so a problem seen by one rank only
     (a file missing on one host) ends all ranks instead of leaving them in a collective.
     """
-    reports = hvd.allgather_object((socket.gethostname(), message), name="agree_on_error")
+    reports = gather((socket.gethostname(), message), name="agree_on_error")
     failed = [(rank, host, text) for rank, (host, text) in enumerate(reports) if text]
     if failed:
         rank, host, text = failed[0]
@@ -232,7 +323,10 @@ def average_parameters(model: torch.nn.Module) -> float:
     start = time.perf_counter()
     parameters = list(model.parameters())
     flat = torch.nn.utils.parameters_to_vector(parameters)
-    hvd.allreduce_(flat, op=hvd.Average, name="average_parameters")
+    if _job_comm is None:
+        hvd.allreduce_(flat, op=hvd.Average, name="average_parameters")
+    else:
+        _mpi_sum_(flat.detach()).mul_(1.0 / _job_comm.Get_size())
     with torch.no_grad():
         for parameter, mean in zip(
             parameters, flat.split([p.numel() for p in parameters]), strict=True
@@ -247,25 +341,54 @@ def broadcast_training_state(model: torch.nn.Module, optimizer: torch.optim.Opti
     The optimizer state goes as one object: Horovod's broadcast_optimizer_state would first
     take a zero-gradient step on a fresh optimizer, which shifts Adam's bias correction.
     """
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if _job_comm is None:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    else:
+        for tensor in model.state_dict().values():
+            data = tensor.reshape(-1).contiguous()  # the tensor itself, unless it is strided
+            _job_comm.Bcast(data.view(torch.uint8).numpy(), root=0)
+            if data.data_ptr() != tensor.data_ptr():
+                tensor.copy_(data.view_as(tensor))
     optimizer.load_state_dict(
         broadcast_object(optimizer.state_dict() if hvd.rank() == 0 else None, "optimizer_state")
     )
 
 
+def barrier() -> None:
+    """Return when every rank has got here."""
+    if _job_comm is not None:
+        _job_comm.Barrier()
+    else:
+        hvd.barrier()
+
+
 def broadcast_object(obj: Any, name: str) -> Any:
     """Rank 0's object on every rank (other ranks pass anything, typically None)."""
+    if _job_comm is not None:
+        return _job_comm.bcast(obj, root=0)
     return hvd.broadcast_object(obj, root_rank=0, name=name)
 
 
 def sum_over_ranks(values: torch.Tensor, name: str) -> torch.Tensor:
     """Element-wise sum of a small tensor over all ranks (for metrics, not gradients)."""
+    if _job_comm is not None:
+        return _mpi_sum_(values.clone())
     return hvd.allreduce(values, op=hvd.Sum, name=name)
+
+
+def _mpi_sum_(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (contiguous, on the CPU) replaced in place by its sum over the job's ranks."""
+    from mpi4py import MPI
+
+    _job_comm.Allreduce(MPI.IN_PLACE, tensor.numpy(), op=MPI.SUM)
+    return tensor
 
 
 def gather(obj: Any, name: str) -> list[Any]:
     """Every rank's object, in rank order, on every rank. `name` must be the same on every
     rank (Horovod matches collectives by name; its default, the object's type, may differ)."""
+    if _job_comm is not None:
+        return _job_comm.allgather(obj)
     return hvd.allgather_object(obj, name=name)
 
 
@@ -273,8 +396,8 @@ class Collectives:
     """The statistics collectives that data.features needs, over all ranks of the job."""
 
     def sum(self, values: np.ndarray) -> np.ndarray:
-        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
-        return hvd.allreduce(tensor, op=hvd.Sum, name="statistics").numpy()
+        tensor = torch.from_numpy(np.array(values, dtype=np.float64))
+        return sum_over_ranks(tensor, name="statistics").numpy()
 
     def gather(self, obj: Any) -> list[Any]:
         return gather(obj, name="statistics")

@@ -7,18 +7,26 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from tqdm import tqdm
 
 from hvd_cpu.checkpoint import atomic_write
-from hvd_cpu.config import TrainConfig
+from hvd_cpu.config import CONTROLLER_NAMES, TrainConfig
 
 if TYPE_CHECKING:
     from hvd_cpu.train import LoopState
 
 # Above this share of training time spent waiting, more processes are not paying for themselves.
 WAITING_HINT = 0.5
+
+
+def say(text: str, stream: TextIO | None = None) -> None:
+    """Print `text` as one write of whole lines: with PYTHONUNBUFFERED, print() writes the
+    newline separately, and Open MPI's --tag-output then tags it as a line of its own."""
+    stream = stream or sys.stdout
+    stream.write(text + "\n")
+    stream.flush()
 
 
 @dataclass
@@ -90,10 +98,11 @@ class Progress:
 class Records:
     """Rank 0's outputs for one training run."""
 
-    def __init__(self, config: TrainConfig, world_size: int) -> None:
+    def __init__(self, config: TrainConfig, world_size: int, controller: str) -> None:
         self.config = config
         self.output = config.output
         self.world_size = world_size
+        self.controller = controller
         self.metrics_path = self.output / "metrics.jsonl"
         self.show_progress = (
             config.progress if config.progress is not None else sys.stdout.isatty()
@@ -104,7 +113,7 @@ class Records:
     def start(self, notes: list[str], history: list[dict[str, Any]]) -> None:
         """Say what data preparation changed; metrics.jsonl restarts from the resumed history."""
         for note in notes:
-            print(f"hvd-cpu: {note}", file=sys.stderr, flush=True)
+            say(f"hvd-cpu: {note}", sys.stderr)
         self.output.mkdir(parents=True, exist_ok=True)
         self.metrics_path.write_text("".join(json.dumps(h) + "\n" for h in history))
 
@@ -119,7 +128,7 @@ class Records:
             self.bar.close()
             self.bar = None
         if not self.config.quiet:
-            print(metrics.line(), flush=True)
+            say(metrics.line())
         with self.metrics_path.open("a") as handle:
             handle.write(json.dumps(metrics.record()) + "\n")
 
@@ -143,17 +152,29 @@ class Records:
         waiting = sum(h.get("wait_seconds", 0.0) for h in state.history) / seconds
         if self.world_size > 1:
             rows.append(("waiting for other ranks", f"{waiting:.0%} of training time"))
+            rows.append(("controller", self._controller()))
         rows.append(("output", f"{self.output}"))
         width = max(len(name) for name, _ in rows)
-        print("\n".join(f"  {name:<{width}}  {value}" for name, value in rows), flush=True)
+        say("\n".join(f"  {name:<{width}}  {value}" for name, value in rows))
         if self.world_size > 1 and waiting > WAITING_HINT:
-            print(
-                f"hvd-cpu: the ranks waited for each other {waiting:.0%} of the time: fewer, "
-                "larger synchronisations pay here (a larger --batch-size, --sync-every 8, or "
-                "fewer processes); `hvd-cpu bench` measures which",
-                file=sys.stderr,
-                flush=True,
+            cheaper = {"gloo": "the MPI controller (horovodrun --mpi), "}.get(self.controller, "")
+            if self.controller == "mpi" and self.config.allreduce != "direct":
+                cheaper = "--allreduce direct, "
+            say(
+                f"hvd-cpu: the ranks waited for each other {waiting:.0%} of the time: cheaper or "
+                f"fewer synchronisations pay here ({cheaper}a larger --batch-size, --sync-every "
+                "8, or fewer processes); `hvd-cpu bench` measures which",
+                sys.stderr,
             )
+
+    def _controller(self) -> str:
+        """Which of Horovod's controllers ran the job, and how the ranks stayed in step."""
+        name = CONTROLLER_NAMES[self.controller]
+        if self.config.sync_every > 1:
+            return f"{name}; parameters averaged every {self.config.sync_every} steps"
+        if self.config.allreduce == "direct":
+            return f"{name}; gradients averaged by one MPI allreduce per step (direct)"
+        return f"{name}; gradients averaged by hvd.DistributedOptimizer"
 
     def features(self, transform: dict[str, Any]) -> None:
         """The fitted feature transformation, for predict and for the curious."""
@@ -162,10 +183,9 @@ class Records:
     def ranks(self, reports: list[dict[str, Any]]) -> None:
         """What each rank says about itself: host, threads, shard size, parameter digest."""
         if len({report["param_sha256"] for report in reports}) > 1:
-            print(
+            say(
                 "hvd-cpu: warning: ranks ended with different parameters; see ranks.json",
-                file=sys.stderr,
-                flush=True,
+                sys.stderr,
             )
         self._write_json("ranks.json", reports)
 

@@ -23,6 +23,8 @@ from hvd_cpu import checkpoint, dist
 from hvd_cpu.config import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.data.loader import LocalShardSampler, ShardedBatches, global_sampler
+from hvd_cpu.direct_allreduce import FlatGradients
+from hvd_cpu.errors import InputError
 from hvd_cpu.models import parameter_digest, portable_spec
 from hvd_cpu.optim import adam
 from hvd_cpu.prepare import Prepared, prepare
@@ -80,9 +82,10 @@ class Validation:
 class Trainer:
     """One rank's model, optimizer, shard and loop state.
 
-    Ranks stay in step in one of two ways: by default Horovod's DistributedOptimizer averages
-    the gradients of every step; with --sync-every K > 1 (local SGD) each rank steps on its
-    own batches and the parameters are averaged every K steps and at the end of each epoch.
+    Ranks stay in step in one of three ways: by default Horovod's DistributedOptimizer
+    averages the gradients of every step; with --allreduce direct one MPI_Allreduce of a flat
+    buffer does the same from this thread; with --sync-every K > 1 (local SGD) each rank steps
+    on its own batches and the parameters are averaged every K steps and at each epoch's end.
     """
 
     def __init__(
@@ -91,13 +94,25 @@ class Trainer:
         model: nn.Module,
         batches: ShardedBatches,
         validation: Validation | None,
-        world_size: int,
+        world: dist.World,
     ) -> None:
+        world_size = world.size
         self.config = config
         self.model = model
         self.local_sgd = config.sync_every > 1 and world_size > 1
         optimizer = adam(model.parameters(), config.lr)
-        self.optimizer = optimizer if self.local_sgd else dist.wrap_optimizer(optimizer, model)
+        self.flat: FlatGradients | None = None
+        if config.allreduce == "direct" and not self.local_sgd and world_size > 1:
+            if world.comm is None:
+                raise InputError(
+                    "--allreduce direct needs the MPI controller: launch with horovodrun --mpi "
+                    "or mpirun, or leave out --allreduce direct"
+                )
+            self.flat = FlatGradients(model.parameters(), world.comm)
+        if self.local_sgd or self.flat:
+            self.optimizer = optimizer
+        else:
+            self.optimizer = dist.wrap_optimizer(optimizer, model)
         self.batches = batches
         self.validation = validation
         self.classification = config.task == "classification"
@@ -123,7 +138,10 @@ class Trainer:
         seconds spent waiting for the other ranks."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr()
-        self.optimizer.zero_grad()  # Horovod's wrapper takes no arguments
+        if self.flat:
+            self.flat.zero()
+        else:
+            self.optimizer.zero_grad()  # Horovod's wrapper takes no arguments
         out = self.model(x)
         loss = self.loss_fn(out, y)
         loss.backward()
@@ -132,6 +150,9 @@ class Trainer:
             waited = 0.0
             if (self.state.step + 1) % self.config.sync_every == 0:
                 waited = dist.average_parameters(self.model)
+        elif self.flat:
+            waited = self.flat.average()
+            self.optimizer.step()
         else:
             waited = dist.averaged_step(self.optimizer)
         self.state.step += 1
@@ -150,6 +171,10 @@ class Trainer:
         # Summed as tensors so the loop never waits on .item(); float64 so long epochs stay exact.
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, samples, correct
         waited = 0.0
+        # Every rank starts the clock together: rank 0 writes metrics and checkpoints between
+        # epochs, and that wait is not the training's (it made waiting exceed 100 % of rank
+        # 0's epoch).
+        dist.barrier()
         start = time.perf_counter()
         for x, y in self.batches:
             loss_sum, correct, batch_waited = self._run_batch(x, y)
@@ -253,18 +278,19 @@ def build_trainer(
     batches = ShardedBatches(prepared.arrays, prepared.train_rows, config.batch_size, sampler)
     has_validation = dist.sum_over_ranks(torch.tensor([len(prepared.val_rows)]), "val_rows") > 0
     validation = Validation(prepared) if has_validation else None
-    return Trainer(config, model, batches, validation, world.size)
+    return Trainer(config, model, batches, validation, world)
 
 
-def train(config: TrainConfig) -> TrainResult:
-    """Train as configured; call on every rank of the job (a plain process is a job of one)."""
-    world = dist.init(config.threads)
+def train(config: TrainConfig, comm: Any = None) -> TrainResult:
+    """Train as configured; call on every rank of the job (a plain process is a job of one,
+    the processes of `comm`, an mpi4py communicator, are one job over MPI)."""
+    world = dist.init(config.threads, comm, config.horovod_steps)
     prepared = prepare(config, world)
     model = prepared.model
     trainer = build_trainer(config, world, prepared, model)
     trainer.restore(prepared.resumed)
 
-    records = Records(config, world.size) if world.is_root else None
+    records = Records(config, world.size, world.controller) if world.is_root else None
     if records:
         records.start(prepared.transform.report.lines(), trainer.state.history)
     first_step_unix = time.time()  # launch to here is the start-up cost (ranks.json)
@@ -287,6 +313,7 @@ def train(config: TrainConfig) -> TrainResult:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "threads": world.threads,
+            "controller": world.controller,
             "shard_rows": len(trainer.batches.sampler),
             "epochs_run": trainer.state.epoch,
             "first_step_unix": round(first_step_unix, 3),

@@ -16,9 +16,12 @@ import pytest
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
-# horovodrun prefixes each line a rank prints with "[rank]<stdout>:" or "[rank]<stderr>:",
-# after a timestamp when run with --prefix-output-with-timestamp.
-RANK_PREFIX = re.compile(r"^(?P<time>.*?)\[(?P<rank>\d+)\]<(?:stdout|stderr)>:(?P<text>.*)$")
+# Launchers prefix each line a rank prints: horovodrun over Gloo with "[rank]<stdout>:", Open
+# MPI's --tag-output (mpirun, horovodrun --mpi) with "[job,rank]<stdout>:"; after a timestamp
+# when asked (--prefix-output-with-timestamp, --timestamp-output).
+RANK_PREFIX = re.compile(
+    r"^(?P<time>.*?)\[(?:\d+,)?(?P<rank>\d+)\]<(?:stdout|stderr)>:(?P<text>.*)$"
+)
 
 
 @dataclass
@@ -54,9 +57,23 @@ def hvd_cpu(*args: str, timeout: float = 300) -> Run:
     return run([str(BIN / "hvd-cpu"), *args], timeout=timeout)
 
 
-def horovodrun(np: int, *args: str, launcher: tuple[str, ...] = (), timeout: float = 300) -> Run:
-    """`horovodrun -np NP [LAUNCHER OPTIONS] hvd-cpu ARGS` on this host."""
-    command = [str(BIN / "horovodrun"), "-np", str(np), "--disable-cache", *launcher]
+def horovodrun(
+    np: int,
+    *args: str,
+    launcher: tuple[str, ...] = (),
+    timeout: float = 300,
+    controller: str = "gloo",
+) -> Run:
+    """`horovodrun --CONTROLLER -np NP [LAUNCHER OPTIONS] hvd-cpu ARGS` on this host; Gloo
+    unless asked, the card's shape (plain horovodrun would pick MPI, which is built in)."""
+    command = [str(BIN / "horovodrun"), f"--{controller}", "-np", str(np), "--disable-cache"]
+    return run([*command, *launcher, str(BIN / "hvd-cpu"), *args], timeout=timeout)
+
+
+def mpirun(np: int, *args: str, timeout: float = 300) -> Run:
+    """`mpirun -np NP hvd-cpu ARGS`, as a cluster user would start it (as root here)."""
+    command = ["mpirun", "--allow-run-as-root", "--tag-output", "-np", str(np)]
+    command += ["--oversubscribe", "-mca", "pml", "ob1", "-mca", "btl", "^openib"]
     return run([*command, str(BIN / "hvd-cpu"), *args], timeout=timeout)
 
 

@@ -50,7 +50,14 @@ def test_a_killed_run_resumed_ends_where_an_uninterrupted_one_does(
 
     # The same job, killed (SIGKILL to horovodrun) once it has checkpointed epoch 2.
     killed = tmp_path / "killed"
-    command = [str(BIN / "horovodrun"), "-np", "2", "--disable-cache", str(BIN / "hvd-cpu")]
+    command = [
+        str(BIN / "horovodrun"),
+        "--gloo",
+        "-np",
+        "2",
+        "--disable-cache",
+        str(BIN / "hvd-cpu"),
+    ]
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     job = subprocess.Popen(
         [*command, *args, "--output", str(killed)], env=env, stdout=subprocess.DEVNULL
