@@ -1,7 +1,8 @@
-"""`hvd-cpu bench`: measure, on this machine, which process count, threads per rank, per-rank
-batch and sync interval train a given frame and model fastest, and say so honestly.
+"""`hvd-cpu bench`: measure, on this machine, which process count, controller (MPI or Gloo),
+threads per rank, per-rank batch, sync interval and gradient allreduce train a given frame and
+model fastest, and say so honestly, ending with the command line that runs it.
 
-For each process count and thread count it launches one job (Horovod's programmatic
+For each process count, thread count and controller it launches one job (Horovod's programmatic
 launcher, as `hvd_cpu.fit` does: changing torch's thread count inside a running process
 measured up to 5x slower than starting with it). In the job, every setting trains from the
 same start for a few epochs with the real training loop; the last epoch is timed (the first
@@ -15,15 +16,16 @@ from __future__ import annotations
 import copy
 import json
 import platform
+import shlex
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hvd_cpu import dist
-from hvd_cpu.config import TrainConfig
+from hvd_cpu.config import CONTROLLER_NAMES, TrainConfig
 from hvd_cpu.errors import InputError
 from hvd_cpu.prepare import prepare
 from hvd_cpu.train import build_trainer
@@ -41,13 +43,23 @@ class Setting:
     threads: int  # per rank
     batch_size: int  # per rank
     sync_every: int  # 1: gradients averaged every step; K: local SGD
+    controller: str = "gloo"  # of a job of several processes
+    allreduce: str = "horovod"  # of every-step averaging: horovod or direct (MPI only)
+
+    @property
+    def horovod_steps(self) -> bool:
+        """Whether its training steps go through Horovod (see TrainConfig.horovod_steps)."""
+        return self.allreduce == "horovod" and self.sync_every == 1
 
     def label(self) -> str:
-        sync = "every step" if self.sync_every == 1 else f"every {self.sync_every} steps"
-        return (
-            f"-np {self.processes}, {self.threads} thread(s)/rank, batch {self.batch_size}/rank, "
-            f"sync {sync}"
-        )
+        if self.sync_every > 1:
+            sync = f"sync every {self.sync_every} steps"
+        else:
+            sync = "sync every step" + (" (direct)" if self.allreduce == "direct" else "")
+        where = f"-np {self.processes}"
+        if self.processes > 1:
+            where += f" {CONTROLLER_NAMES[self.controller]}"
+        return f"{where}, {self.threads} thread(s)/rank, batch {self.batch_size}/rank, {sync}"
 
 
 @dataclass
@@ -72,12 +84,16 @@ class BenchConfig:
     batch_sizes: tuple[int, ...]
     sync_intervals: tuple[int, ...]
     cores: int
+    controllers: tuple[str, ...] = ("mpi", "gloo")
 
     def __post_init__(self) -> None:
         for name in ("process_counts", "batch_sizes", "sync_intervals"):
             values = getattr(self, name)
             if not values or min(values) < 1:
                 raise InputError(f"{name.replace('_', ' ')} must be integers >= 1, got {values}")
+        unknown = set(self.controllers) - set(CONTROLLER_NAMES)
+        if not self.controllers or unknown:
+            raise InputError(f"controllers are gloo and mpi, got {', '.join(self.controllers)}")
 
 
 def default_process_counts(cores: int) -> tuple[int, ...]:
@@ -87,22 +103,34 @@ def default_process_counts(cores: int) -> tuple[int, ...]:
 
 def jobs(config: BenchConfig) -> list[list[Setting]]:
     """The settings of each job to launch. One process tries one thread and all cores'
-    threads; N processes share the cores (as `train` does by default) and try each sync
-    interval."""
+    threads; N processes share the cores (as `train` does by default) and, under each
+    controller, try each sync interval (and over MPI, the direct allreduce too)."""
     found = []
     for processes in config.process_counts:
         if processes == 1:
-            threads, intervals = sorted({1, config.cores}), (1,)
-        else:
-            threads, intervals = [max(1, config.cores // processes)], config.sync_intervals
-        found += [
-            [
-                Setting(processes, t, batch, sync)
-                for batch in config.batch_sizes
-                for sync in intervals
+            found += [
+                [Setting(1, t, batch, 1) for batch in config.batch_sizes]
+                for t in sorted({1, config.cores})
             ]
-            for t in threads
-        ]
+            continue
+        threads = max(1, config.cores // processes)
+        for controller in config.controllers:
+            ways = [(k, "horovod") for k in config.sync_intervals]
+            if controller == "mpi" and 1 in config.sync_intervals:
+                ways.insert(1, (1, "direct"))
+            settings = [
+                Setting(processes, threads, batch, k, controller, allreduce)
+                for batch in config.batch_sizes
+                for k, allreduce in ways
+            ]
+            if controller == "mpi":  # Horovod's cycle is set per job: as train sets it
+                found += [
+                    group
+                    for steps in (True, False)
+                    if (group := [s for s in settings if s.horovod_steps == steps])
+                ]
+            else:
+                found.append(settings)
     return found
 
 
@@ -111,12 +139,17 @@ def _measure_on_rank(
 ) -> tuple[list[Measurement], float] | None:
     """Run on every rank: train each setting (all with the same threads) from the same start.
     Rank 0 returns the measurements and the time of the first step (to measure the launch)."""
-    world = dist.init(settings[0].threads)
+    world = dist.init(settings[0].threads, horovod_steps=settings[0].horovod_steps)
     prepared = prepare(train_config, world)
     first_step = time.time()
     measurements = []
     for setting in settings:
-        config = replace(train_config, batch_size=setting.batch_size, sync_every=setting.sync_every)
+        config = replace(
+            train_config,
+            batch_size=setting.batch_size,
+            sync_every=setting.sync_every,
+            allreduce=setting.allreduce,
+        )
         trainer = build_trainer(config, world, prepared, copy.deepcopy(prepared.model))
         trainer.restore(None)
         for _ in range(epochs):
@@ -135,16 +168,21 @@ def run(config: BenchConfig, epochs: int) -> dict[str, Any]:
     measurements: list[Measurement] = []
     launches = []
     for settings in jobs(config):
-        processes = settings[0].processes
+        first = settings[0]
         launched = time.time()
         found, first_step = dist.launch(
-            _measure_on_rank, (config.train, settings, epochs), np=processes, hosts=None
+            _measure_on_rank,
+            (config.train, settings, epochs),
+            np=first.processes,
+            hosts=None,
+            controller=first.controller,
         )[0]
         measurements += found
         launches.append(
             {
-                "processes": processes,
-                "threads": settings[0].threads,
+                "processes": first.processes,
+                "threads": first.threads,
+                "controller": first.controller,
                 "seconds_to_first_step": first_step - launched,
             }
         )
@@ -161,7 +199,9 @@ def run(config: BenchConfig, epochs: int) -> dict[str, Any]:
         "epochs": epochs,
         "measurements": [{**asdict(m), "label": m.setting.label()} for m in measurements],
         "launches": launches,
-        "recommendation": recommend(measurements, config.batch_sizes[0]),
+        "recommendation": recommend(
+            measurements, config.batch_sizes[0], config.train, config.cores
+        ),
     }
 
 
@@ -179,59 +219,116 @@ def _relate(measurements: list[Measurement]) -> None:
             m.efficiency = m.speedup / (m.setting.processes * m.setting.threads)
 
 
-def recommend(measurements: list[Measurement], batch_size: int) -> dict[str, Any]:
+def recommend(
+    measurements: list[Measurement], batch_size: int, train_config: TrainConfig, cores: int
+) -> dict[str, Any]:
     """The fastest way to train as asked (the requested per-rank batch, gradients averaged
-    every step), and a faster one that changes the optimisation if there is a clear one."""
+    every step), or a clearly faster one that changes the optimisation; why, in this
+    machine's numbers; and the command line that runs it."""
     as_asked = [
         m for m in measurements if m.setting.batch_size == batch_size and m.setting.sync_every == 1
     ]
     best = max(as_asked, key=lambda m: m.samples_per_s)
     fastest = max(measurements, key=lambda m: m.samples_per_s)
-    reasons = [_why(best, as_asked)]
     chosen = best
     if fastest is not best and fastest.samples_per_s >= CLEAR_WIN * best.samples_per_s:
         chosen = fastest
-        change = []
-        if fastest.setting.batch_size != batch_size:
-            change.append(
-                f"a per-rank batch of {fastest.setting.batch_size} (raise --lr or add "
-                "--warmup-epochs, and check the validation loss)"
-            )
-        if fastest.setting.sync_every > 1:
-            change.append(
-                f"local SGD with --sync-every {fastest.setting.sync_every} (parameters "
-                "averaged less often: check the validation loss)"
-            )
+    reasons = [_why(chosen, measurements)]
+    if chosen is not best:
         reasons.append(
-            f"{fastest.samples_per_s / best.samples_per_s:.1f}x faster still: "
-            f"{fastest.setting.label()}, with " + " and ".join(change)
+            f"{chosen.samples_per_s / best.samples_per_s:.1f}x the fastest setting that trains "
+            f"exactly as asked ({best.setting.label()}), but it changes the optimisation: "
+            + " and ".join(_changes(chosen.setting, batch_size))
         )
+    elif best.setting.processes == 1:
+        several = [m for m in as_asked if m.setting.processes > 1]
+        if several:
+            top = max(several, key=lambda m: m.samples_per_s)
+            reasons.append(
+                f"with {top.setting.processes} processes ({top.setting.label()}) each step "
+                f"waits {top.wait_ms:.2f} ms for the others, against {top.compute_ms:.2f} ms of "
+                "compute"
+            )
     return {
         "setting": asdict(chosen.setting),
         "label": chosen.setting.label(),
         "samples_per_s": chosen.samples_per_s,
         "reasons": reasons,
+        "command": command_line(chosen.setting, train_config, cores),
     }
 
 
-def _why(best: Measurement, as_asked: list[Measurement]) -> str:
-    """Why the best setting at the requested batch is the best, in the machine's numbers."""
-    if best.setting.processes == 1:
-        waits = [m for m in as_asked if m.setting.processes > 1]
-        text = f"one process is fastest at this batch ({best.samples_per_s:,.0f} samples/s)"
-        if waits:
-            worst = max(waits, key=lambda m: m.wait_ms)
+def _why(chosen: Measurement, measurements: list[Measurement]) -> str:
+    """The chosen setting's speed, against one process with one thread."""
+    text = f"{chosen.samples_per_s:,.0f} samples/s, {_times(chosen.speedup)} one process"
+    text += " with one thread at the same batch"
+    if chosen.setting.processes > 1:
+        text += f"; {chosen.wait_ms:.2f} ms of each {chosen.step_ms:.2f} ms step is waiting"
+        other = [
+            m
+            for m in measurements
+            if m.setting.processes == chosen.setting.processes
+            and m.setting.batch_size == chosen.setting.batch_size
+            and m.setting.sync_every == chosen.setting.sync_every
+            and m.setting.controller != chosen.setting.controller
+        ]
+        if other:
+            rival = max(other, key=lambda m: m.samples_per_s)
             text += (
-                f": with {worst.setting.processes} processes each step waits "
-                f"{worst.wait_ms:.2f} ms for the others, against {worst.compute_ms:.2f} ms of "
-                "compute"
+                f"; {chosen.samples_per_s / rival.samples_per_s:.2f}x the same over "
+                f"{CONTROLLER_NAMES[rival.setting.controller]}"
             )
-        return text
-    return (
-        f"{best.setting.processes} processes are fastest at this batch "
-        f"({best.samples_per_s:,.0f} samples/s, {_times(best.speedup)} one process with one "
-        f"thread; {best.wait_ms:.2f} ms of each {best.step_ms:.2f} ms step is waiting)"
+    return text
+
+
+def _changes(setting: Setting, batch_size: int) -> list[str]:
+    """What a faster setting changes about the optimisation, and what to watch."""
+    change = []
+    if setting.batch_size != batch_size:
+        change.append(
+            f"a per-rank batch of {setting.batch_size} (raise --lr or add --warmup-epochs, "
+            "and check the validation loss)"
+        )
+    if setting.sync_every > 1:
+        change.append(
+            f"local SGD with --sync-every {setting.sync_every} (parameters averaged less "
+            "often: check the validation loss)"
+        )
+    return change
+
+
+def command_line(setting: Setting, train_config: TrainConfig, cores: int) -> str:
+    """`hvd-cpu train ...` (under its launcher) for `setting` and the benchmarked data and
+    model: every option that differs from its default, spelled as the CLI spells it."""
+    chosen = replace(
+        train_config,
+        batch_size=setting.batch_size,
+        sync_every=setting.sync_every,
+        allreduce=setting.allreduce if setting.processes > 1 else "horovod",
+        threads=setting.threads,
+        val_fraction=TrainConfig.val_fraction,
+        quiet=False,
     )
+    words = ["hvd-cpu", "train"]
+    if setting.processes > 1:
+        words = ["horovodrun", f"--{setting.controller}", "-np", str(setting.processes), *words]
+    default_threads = max(1, cores // setting.processes)
+    for field in fields(TrainConfig):
+        value, default = getattr(chosen, field.name), field.default
+        if field.name in ("output", "progress") or value == default:
+            continue
+        if field.name == "threads" and value == default_threads:
+            continue
+        flag = "--target" if field.name == "targets" else "--" + field.name.replace("_", "-")
+        if field.name == "targets":
+            words += [w for target in value for w in (flag, target)]
+        elif isinstance(value, bool):
+            words.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, tuple):
+            words += [flag, ",".join(map(str, value))]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
 
 
 def table(report: dict[str, Any]) -> str:
@@ -249,6 +346,7 @@ def table(report: dict[str, Any]) -> str:
     recommendation = report["recommendation"]
     lines += ["", f"recommended: {recommendation['label']}"]
     lines += [f"  - {reason}" for reason in recommendation["reasons"]]
+    lines += [f"run it: {recommendation['command']}"]
     return "\n".join(lines)
 
 

@@ -5,10 +5,12 @@ horovodrun's build check is answered from the cache the install fills."""
 from __future__ import annotations
 
 import json
+import shlex
 import struct
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
@@ -105,15 +107,19 @@ def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
     assert "recommended: -np " in job.stdout
 
     report = json.loads((out / "bench.json").read_text())
-    settings = {
-        (m["setting"]["processes"], m["setting"]["threads"], m["setting"]["batch_size"],
-         m["setting"]["sync_every"])
-        for m in report["measurements"]
-    }  # fmt: skip
+    settings = {tuple(m["setting"].values()) for m in report["measurements"]}
     cores = report["machine"]["cores"]
     threads = sorted({1, cores})
-    expected = {(1, t, b, 1) for t in threads for b in (64, 256)}
-    expected |= {(2, max(1, cores // 2), b, k) for b in (64, 256) for k in (1, 4)}
+    expected = {(1, t, b, 1, "gloo", "horovod") for t in threads for b in (64, 256)}
+    for controller, ways in [
+        ("mpi", [(1, "horovod"), (1, "direct"), (4, "horovod")]),
+        ("gloo", [(1, "horovod"), (4, "horovod")]),
+    ]:
+        expected |= {
+            (2, max(1, cores // 2), b, k, controller, allreduce)
+            for b in (64, 256)
+            for k, allreduce in ways
+        }
     assert settings == expected
     for m in report["measurements"]:
         assert m["samples_per_s"] > 0
@@ -131,9 +137,32 @@ def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
         fastest["setting"],
         max(asked, key=lambda m: m["samples_per_s"])["setting"],
     )
-    launched = [(launch["processes"], launch["threads"]) for launch in report["launches"]]
-    assert launched == [(1, t) for t in threads] + [(2, max(1, cores // 2))]
+    launched = [
+        (launch["processes"], launch["threads"], launch["controller"])
+        for launch in report["launches"]
+    ]
+    half = max(1, cores // 2)
+    # over MPI, the settings that step through Horovod and those that do not run apart
+    two = [(2, half, "mpi"), (2, half, "mpi"), (2, half, "gloo")]
+    assert launched == [(1, t, "gloo") for t in threads] + two
     assert all(launch["seconds_to_first_step"] > 0 for launch in report["launches"])
+    # The recommendation ends with the command that trains that way; it runs as printed.
+    command = report["recommendation"]["command"]
+    assert job.stdout.splitlines()[-2] == f"run it: {command}"
+    words = shlex.split(command)
+    assert words[:2] == ["hvd-cpu", "train"] or words[:4] == [
+        "horovodrun",
+        f"--{recommended['controller']}",
+        "-np",
+        str(recommended["processes"]),
+    ]
+    if recommended["allreduce"] == "direct":
+        assert "--allreduce direct" in command
+    trained = run([*words, "--epochs", "1", "--output", str(tmp_path / "as-recommended")])
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    ran = json.loads((tmp_path / "as-recommended" / "ranks.json").read_text())
+    assert len(ran) == recommended["processes"]
+    assert {r["threads"] for r in ran} == {recommended["threads"]}
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", (out / "bench.png").read_bytes()[16:24])[0] > 100
 
@@ -162,7 +191,7 @@ def test_horovodrun_build_check_is_answered_from_the_cache() -> None:
 
     cache = json.loads((Path(horovod.__file__).parent / ".build-checks.json").read_text())
     assert {key: answer for key, (_, answer) in cache.items() if key.startswith("torch|")} == {
-        "torch|built with MPI": False,
+        "torch|built with MPI": True,
         "torch|built with Gloo": True,
     }
     assert all("mpi_lib_v2" in fingerprint for fingerprint, _ in cache.values())
@@ -190,3 +219,26 @@ def test_bench_with_missing_data_says_one_line(tmp_path: Path) -> None:
         f"hvd-cpu: error: data file not found: {tmp_path / 'nope.parquet'}; check the path "
         "(it must exist on every host)"
     ]
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_rank_waiting_for_an_allreduce_sleeps_instead_of_spinning(controller: str) -> None:
+    """The wait-sleeps patch: torch's wait for a Horovod collective used to spin on yield(),
+    keeping the rank's core from the background thread that does the work. Rank 1 arrives a
+    second late; rank 0's waiting thread must spend little CPU meanwhile (it spent all of it)."""
+    code = (
+        "import time, torch\n"
+        "import horovod.torch as hvd\n"  # Horovod's own wait: hvd-cpu's MPI path bypasses it
+        "hvd.init()\n"
+        "hvd.allreduce(torch.ones(8), name='warm-up')\n"
+        "if hvd.rank() == 1: time.sleep(1.0)\n"
+        "wall, cpu = time.perf_counter(), time.thread_time()\n"
+        "hvd.allreduce(torch.ones(8), name='late')\n"
+        "share = (time.thread_time() - cpu) / (time.perf_counter() - wall)\n"
+        "if hvd.rank() == 0: print(f'cpu share {share:.3f}')\n"
+    )
+    command = [str(BIN / "horovodrun"), f"--{controller}", "-np", "2", "--disable-cache"]
+    job = run([*command, str(BIN / "python"), "-c", code])
+    assert job.returncode == 0, job.stdout + job.stderr
+    (share,) = [float(t.split()[-1]) for _, t in job.rank_lines(0) if t.startswith("cpu share")]
+    assert share < 0.3
