@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,6 +26,8 @@ from hvd_cpu.dist import usable_cores
 from hvd_cpu.errors import InputError
 
 SSH_TIMEOUT = 20  # seconds for one host's probe, connection included
+# What the first check wants built into Horovod, keyed as in dist.build_info().
+BUILT = {"pytorch": "PyTorch", "mpi": "MPI", "gloo": "Gloo"}
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,28 @@ def probe(data: str | None) -> dict[str, Any]:
         "horovod": dist.build_info(),
         "cores": usable_cores(),
         "data_readable": None if data is None else os.access(data, os.R_OK),
+        "open_mpi": open_mpi(),
     }
+
+
+def open_mpi() -> dict[str, str | None]:
+    """Where this host's `mpirun` and `orted` are, and Open MPI's version.
+
+    Run over ssh this sees the PATH of a non-interactive ssh session, the one in which mpirun
+    starts `orted` on every other host of an MPI job.
+    """
+    found: dict[str, str | None] = {name: shutil.which(name) for name in ("mpirun", "orted")}
+    found["version"] = None
+    if found["mpirun"]:
+        try:
+            said = subprocess.run(
+                [found["mpirun"], "--version"], capture_output=True, text=True, timeout=10
+            ).stdout.splitlines()
+        except (OSError, subprocess.TimeoutExpired):
+            said = []
+        # "mpirun (Open MPI) 4.1.4" -> "Open MPI 4.1.4"
+        found["version"] = said[0].replace("mpirun (", "").replace(")", "") if said else None
+    return found
 
 
 def ssh_probe(
@@ -125,12 +149,13 @@ def diagnose(
     """The whole checklist, local build first, then each host, then what they must share."""
     here = probe(str(data) if data else None)
     build = here["horovod"]
+    shown = ", ".join(f"{n} {'yes' if build[k] else 'NO'}" for k, n in BUILT.items())
     checks = [
         Check(
-            "Horovod with PyTorch + Gloo", "this host", build["pytorch"] and build["gloo"],
-            f"horovod {here['versions']['horovod']}: PyTorch {'yes' if build['pytorch'] else 'NO'},"
-            f" Gloo {'yes' if build['gloo'] else 'NO'}",
-            "rebuild with launch/install.sh",
+            "Horovod with PyTorch, MPI + Gloo", "this host", all(build[k] for k in BUILT),
+            f"horovod {here['versions']['horovod']}: {shown}",
+            "rebuild with launch/install.sh (it builds both controllers: horovodrun --mpi and "
+            "--gloo)",
         )
     ]  # fmt: skip
     if hostfile is None:
@@ -189,6 +214,7 @@ def host_checks(
             Check("data readable", h.host, bool(answer["data_readable"]), str(data),
                   f"copy the data to {data} on {h.host}, or mount shared storage there")
         )  # fmt: skip
+    checks.append(open_mpi_check(h.host, answer["open_mpi"], here["open_mpi"], several))
     cores = answer["cores"]
     checks.append(
         Check(
@@ -198,6 +224,27 @@ def host_checks(
         )
     )  # fmt: skip
     return checks
+
+
+def open_mpi_check(
+    host: str, there: dict[str, str | None], here: dict[str, str | None], several: bool
+) -> Check:
+    """MPI across hosts: mpirun starts `orted` over ssh on every host, so it must be on the
+    PATH there, and the same Open MPI everywhere (daemons of other versions do not talk)."""
+    missing = [name for name in ("mpirun", "orted") if not there[name]]
+    same = not several or there["version"] == here["version"]
+    if missing:
+        detail = f"{' and '.join(missing)} not on the PATH of an ssh session"
+    else:
+        detail = f"{there['version']}: {there['mpirun']}, {there['orted']}"
+        if not same:
+            detail += f" (here: {here['version']})"
+    fix = (
+        f"install the same Open MPI as here on {host} (Debian: apt-get install openmpi-bin) "
+        "with orted on the PATH a non-interactive ssh session gets, or launch with Gloo "
+        "(CONTROLLER=gloo, horovodrun --gloo)"
+    )
+    return Check("Open MPI on PATH", host, not missing and same, detail, fix)
 
 
 def common_interface(answers: dict[str, dict[str, Any]]) -> Check:

@@ -4,13 +4,17 @@
 #   launch/run-hosts.sh HOSTFILE [hvd-cpu train options...]
 #
 # Environment (all optional):
+#   CONTROLLER     gloo or mpi: who carries the collectives (horovodrun --gloo / --mpi;
+#                  default below). MPI needs Open MPI's orted on every host's ssh PATH.
 #   SSH_PORT       sshd port on the hosts               (horovodrun -p)
 #   SSH_KEY        ssh private key                      (horovodrun -i)
-#   NIC            network interface the hosts share    (horovodrun --network-interface)
+#   NIC            network interface the hosts share    (horovodrun --network-interface; with
+#                  MPI also Open MPI's control channel: -mca oob_tcp_if_include NIC)
 #   START_TIMEOUT  seconds to wait for all ranks        (horovodrun --start-timeout, default 30)
 #   HVD_CPU_VENV   the environment to use               (default: <repo>/.venv)
 # Check the set-up first with: hvd-cpu doctor --hostfile HOSTFILE [-p PORT] [-i KEY]
 set -euo pipefail
+DEFAULT_CONTROLLER=gloo # the one line to change to make MPI the default
 if (($# < 1)) || [[ ! -f $1 ]]; then
   echo "usage: $0 HOSTFILE [hvd-cpu train options...]  (see launch/hostfile.example)" >&2
   exit 2
@@ -19,6 +23,11 @@ hostfile=$1
 shift
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export PATH=${HVD_CPU_VENV:-$repo/.venv}/bin:$PATH
+controller=${CONTROLLER:-$DEFAULT_CONTROLLER}
+if [[ $controller != gloo && $controller != mpi ]]; then
+  echo "CONTROLLER must be gloo or mpi, not '$controller'" >&2
+  exit 2
+fi
 
 # The number of ranks is the sum of the slots (a host without slots= counts 1).
 np=$(awk '{ sub(/#.*/, "") } NF { n = 1; for (i = 2; i <= NF; i++) if ($i ~ /^slots=/) n = substr($i, 7); total += n }
@@ -28,8 +37,17 @@ if ((np < 1)); then
   exit 2
 fi
 
-launcher=(-np "$np" --hostfile "$hostfile" --start-timeout "${START_TIMEOUT:-30}")
+launcher=("--$controller" -np "$np" --hostfile "$hostfile" --start-timeout "${START_TIMEOUT:-30}")
 [[ -n ${SSH_PORT:-} ]] && launcher+=(-p "$SSH_PORT")
 [[ -n ${SSH_KEY:-} ]] && launcher+=(-i "$SSH_KEY")
 [[ -n ${NIC:-} ]] && launcher+=(--network-interface "$NIC")
+if [[ $controller == mpi ]]; then
+  # mpirun starts orted over its own ssh, which (unlike horovodrun's) checks host keys: once
+  # horovodrun has cached its ssh check it no longer records them, and an unknown host then
+  # fails with "Host key verification failed". Same options as horovodrun's ssh.
+  export OMPI_MCA_plm_rsh_agent=${OMPI_MCA_plm_rsh_agent:-ssh -o PasswordAuthentication=no -o StrictHostKeyChecking=no}
+  # Without NIC horovodrun finds the common interface and restricts MPI's data (btl) to it;
+  # the daemons' control channel (oob) then still tries every address mpirun's host has.
+  [[ -n ${NIC:-} ]] && launcher+=(--mpi-args "-mca oob_tcp_if_include $NIC")
+fi
 exec horovodrun "${launcher[@]}" hvd-cpu train "$@"

@@ -43,12 +43,28 @@ def sh(*command: str) -> str:
 
 
 class Hosts:
-    """`with Hosts(folder, ["hosta", "hostb"]) as hosts:` two hosts, sshd on port 2222."""
+    """`with Hosts(folder, ["hosta", "hostb"]) as hosts:` two hosts, sshd on port 2222.
 
-    def __init__(self, folder: Path, names: list[str]) -> None:
+    `sshd=False` makes the namespaces only (e.g. for containers that bring their own sshd);
+    another `bridge` and `subnet` keep such a set-up apart from one a concurrent test made
+    with the defaults (the NIC inside every namespace is still named `hvd0`).
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        names: list[str],
+        *,
+        sshd: bool = True,
+        bridge: str = BRIDGE,
+        subnet: str = SUBNET,
+    ) -> None:
         self.folder = folder
-        self.hosts = [Host(n, f"{SUBNET}.{i + 2}", folder) for i, n in enumerate(names)]
+        self.hosts = [Host(n, f"{subnet}.{i + 2}", folder) for i, n in enumerate(names)]
         self.key = folder / "id_ed25519"
+        self.sshd = sshd
+        self.bridge = bridge
+        self.subnet = subnet
 
     def __enter__(self) -> Hosts:
         try:
@@ -64,9 +80,9 @@ class Hosts:
         sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.folder / "host_key"))
         shutil.copy(f"{self.key}.pub", self.folder / "authorized_keys")
         Path("/run/sshd").mkdir(exist_ok=True)
-        sh("ip", "link", "add", BRIDGE, "type", "bridge")
-        sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
-        sh("ip", "link", "set", BRIDGE, "up")
+        sh("ip", "link", "add", self.bridge, "type", "bridge")
+        sh("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
+        sh("ip", "link", "set", self.bridge, "up")
         for host in self.hosts:
             veth = f"veth-{host.name}"
             sh("ip", "netns", "add", host.name)
@@ -83,14 +99,16 @@ class Hosts:
                 "netns",
                 host.name,
             )
-            sh("ip", "link", "set", veth, "master", BRIDGE, "up")
+            sh("ip", "link", "set", veth, "master", self.bridge, "up")
             sh(*host.exec("ip", "addr", "add", f"{host.address}/24", "dev", BRIDGE))
             sh(*host.exec("ip", "link", "set", BRIDGE, "up"))
             sh(*host.exec("ip", "link", "set", "lo", "up"))
             self.resolve(host, host.address)
-            self.start_sshd(host)
-        for host in self.hosts:
-            self.wait_for_ssh(host)
+            if self.sshd:
+                self.start_sshd(host)
+        if self.sshd:
+            for host in self.hosts:
+                self.wait_for_ssh(host)
 
     def resolve(self, host: Host, address: str) -> None:
         """Make `host`'s own name resolve to `address` inside its namespace.
@@ -105,14 +123,15 @@ class Hosts:
         with (etc / "hosts").open("w") as handle:
             handle.write("\n".join(lines) + "\n")
 
-    def start_sshd(self, host: Host) -> None:
+    def start_sshd(self, host: Host, extra: str = "") -> None:
+        """sshd for `host`; `extra` config lines change it (e.g. `SetEnv PATH=...`)."""
         config = self.folder / f"sshd-{host.name}.conf"
         config.write_text(
             f"Port {SSH_PORT}\nListenAddress {host.address}\n"
             f"HostKey {self.folder / 'host_key'}\nPidFile {host.pid_file}\n"
             f"AuthorizedKeysFile {self.folder / 'authorized_keys'}\n"
             "PermitRootLogin yes\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-            "UsePAM no\nStrictModes no\nMaxStartups 200\nMaxSessions 200\nLogLevel ERROR\n"
+            "UsePAM no\nStrictModes no\nMaxStartups 200\nMaxSessions 200\nLogLevel ERROR\n" + extra
         )
         # unshare --uts: a hostname of the namespace's own, which sshd's sessions inherit.
         sshd = shutil.which("sshd") or "/usr/sbin/sshd"
@@ -141,6 +160,16 @@ class Hosts:
             "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=5",
         ]  # fmt: skip
 
+    def forget_host_keys(self) -> None:
+        """Remove the hosts from ~/.ssh/known_hosts, as on a machine that never reached them."""
+        known = Path.home() / ".ssh" / "known_hosts"
+        for host in self.hosts:
+            if known.exists():
+                subprocess.run(
+                    ["ssh-keygen", "-R", f"[{host.address}]:{SSH_PORT}", "-f", str(known)],
+                    capture_output=True,
+                )
+
     def wait_for_ssh(self, host: Host) -> None:
         deadline = time.monotonic() + 20
         while self.ssh(host, "true").returncode != 0:
@@ -163,14 +192,8 @@ class Hosts:
         for host in self.hosts:
             subprocess.run(["ip", "netns", "del", host.name], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / host.name, ignore_errors=True)
-        subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
-        known = Path.home() / ".ssh" / "known_hosts"
-        for host in self.hosts:  # horovodrun's ssh records host keys; ours change every run
-            if known.exists():
-                subprocess.run(
-                    ["ssh-keygen", "-R", f"[{host.address}]:{SSH_PORT}", "-f", str(known)],
-                    capture_output=True,
-                )
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        self.forget_host_keys()  # horovodrun's ssh records host keys; ours change every run
 
     def __exit__(self, *_: object) -> None:
         for host in self.hosts:

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from .conftest import BIN, REPO, demo_file, horovodrun, hvd_cpu, run
+from .conftest import BIN, REPO, Run, demo_file, horovodrun, hvd_cpu, run
 from .hosts import SSH_PORT, Hosts
 
 pytestmark = pytest.mark.skipif(
@@ -52,35 +53,113 @@ def doctor(hosts: Hosts, *extra: str):
     )  # fmt: skip
 
 
-def test_four_ranks_on_two_hosts_train_like_four_on_one(hosts: Hosts, tmp_path: Path) -> None:
-    """Through launch/run-hosts.sh, as the README tells users to."""
+EPOCHS = ("--epochs", "3")
+
+
+@pytest.fixture(scope="module")
+def local_four(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference run: `horovodrun --gloo -np 4` on this host, once for every comparison."""
+    output = tmp_path_factory.mktemp("local") / "out"
+    local = horovodrun(4, "train", *EPOCHS, "--output", str(output))
+    assert local.returncode == 0, local.stdout + local.stderr
+    return output
+
+
+def run_hosts(hosts: Hosts, output: Path, *args: str, **env: str) -> Run:
+    """launch/run-hosts.sh over both hosts (2 slots each), as the README tells users to."""
     script = str(REPO / "launch" / "run-hosts.sh")
     keys = {"SSH_PORT": str(SSH_PORT), "SSH_KEY": str(hosts.key), "HVD_CPU_VENV": str(BIN.parent)}
-    args = ["--epochs", "3"]
-    spread = run(
-        [script, str(hosts.hostfile(2)), *args, "--output", str(tmp_path / "spread")], env=keys
+    return run(
+        [script, str(hosts.hostfile(2)), *EPOCHS, *args, "--output", str(output)],
+        env={**keys, **env},
     )
-    assert spread.returncode == 0, spread.stdout + spread.stderr
-    local = horovodrun(4, "train", *args, "--output", str(tmp_path / "local"))
-    assert local.returncode == 0, local.stdout + local.stderr
 
-    ranks = json.loads((tmp_path / "spread" / "ranks.json").read_text())
+
+def spread_over_both_hosts(output: Path, controller: str) -> None:
+    """Ranks 0, 1 on the first host and 2, 3 on the second, all on `controller`, all ending
+    with the same parameters."""
+    ranks = json.loads((output / "ranks.json").read_text())
     assert [r["host"] for r in ranks] == ["hvdhosta", "hvdhosta", "hvdhostb", "hvdhostb"]
+    assert {r["controller"] for r in ranks} == {controller}
     assert len({r["param_sha256"] for r in ranks}) == 1
 
-    def losses(name: str) -> list[float]:
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+
+def test_four_ranks_on_two_hosts_train_like_four_on_one(
+    hosts: Hosts, local_four: Path, tmp_path: Path
+) -> None:
+    """Gloo, run-hosts.sh's default controller."""
+    spread = run_hosts(hosts, tmp_path / "spread")
+    assert spread.returncode == 0, spread.stdout + spread.stderr
+    spread_over_both_hosts(tmp_path / "spread", "gloo")
+
+    def losses(folder: Path) -> list[float]:
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
         return [json.loads(line)["train_loss"] for line in lines]
 
-    assert losses("spread") == pytest.approx(losses("local"), rel=1e-6)
+    assert losses(tmp_path / "spread") == pytest.approx(losses(local_four), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("allreduce", "nic"),
+    [("horovod", ""), ("direct", "hvd0")],
+    ids=["horovod-allreduce-nic-found-by-horovodrun", "direct-allreduce-nic-named"],
+)
+def test_four_mpi_ranks_on_two_hosts_train_like_four_gloo_ranks_on_one(
+    hosts: Hosts, local_four: Path, tmp_path: Path, allreduce: str, nic: str
+) -> None:
+    """CONTROLLER=mpi: mpirun starts orted on each host over ssh. The hosts' keys are not in
+    known_hosts, and horovodrun's cache of its own ssh check (which records them) is warm after
+    the Gloo test: mpirun's ssh must still get through. 4 ranks may sum in another order than
+    Gloo's, hence a tolerance instead of equality."""
+    hosts.forget_host_keys()
+    spread = run_hosts(
+        hosts, tmp_path / "spread", "--allreduce", allreduce, CONTROLLER="mpi", NIC=nic
+    )
+    assert spread.returncode == 0, spread.stdout + spread.stderr
+    spread_over_both_hosts(tmp_path / "spread", "mpi")
+
+    def parameters(folder: Path) -> dict[str, torch.Tensor]:
+        return torch.load(folder / "model.pt", weights_only=True)["state_dict"]
+
+    got, want = parameters(tmp_path / "spread"), parameters(local_four)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
 
 
 def test_doctor_passes_on_a_good_set_up(hosts: Hosts, tmp_path: Path) -> None:
     data = demo_file(tmp_path / "frame.parquet", rows=100)
     checked = doctor(hosts, "--data", str(data))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert checked.stdout.splitlines()[-1] == "12 of 12 checks OK"
-    assert "common network interface     all hosts   hvd0" in checked.stdout
+    assert checked.stdout.splitlines()[-1] == "14 of 14 checks OK"
+    lines = checked.stdout.splitlines()
+    assert lines[0].split() == [
+        "OK", "Horovod", "with", "PyTorch,", "MPI", "+", "Gloo", "this", "host",
+        "horovod", "0.28.1:", "PyTorch", "yes,", "MPI", "yes,", "Gloo", "yes",
+    ]  # fmt: skip
+    open_mpi = [line for line in lines if "Open MPI on PATH" in line]
+    assert [line.split()[5] for line in open_mpi] == ["198.18.0.2", "198.18.0.3"]
+    assert all("/orted" in line for line in open_mpi)
+    assert "common network interface          all hosts   hvd0" in checked.stdout
+
+
+def test_doctor_names_the_host_without_orted_on_its_ssh_path(hosts: Hosts, sshd_back: None) -> None:
+    """mpirun runs `orted` through a non-interactive ssh session: its PATH is what counts."""
+    second = hosts.hosts[1]
+    hosts.stop_sshd(second)
+    hosts.start_sshd(second, extra="SetEnv PATH=/nonexistent\n")
+    try:
+        hosts.wait_for_ssh(second)
+        checked = doctor(hosts)
+    finally:
+        hosts.stop_sshd(second)  # sshd_back starts it again with the usual config
+    assert checked.returncode == 1
+    failures = [line for line in checked.stdout.splitlines() if line.startswith("FAIL")]
+    assert failures == [
+        "FAIL  Open MPI on PATH                  198.18.0.3  "
+        "mpirun and orted not on the PATH of an ssh session"
+    ]
+    assert "apt-get install openmpi-bin" in checked.stdout
 
 
 def test_doctor_names_the_host_whose_sshd_is_down(hosts: Hosts, sshd_back: None) -> None:
@@ -101,7 +180,7 @@ def test_doctor_names_the_host_whose_name_resolves_to_loopback(
     assert checked.returncode == 1
     failures = [line for line in checked.stdout.splitlines() if line.startswith("FAIL")]
     assert failures == [
-        "FAIL  own hostname resolves        198.18.0.3  hvdhostb -> 127.0.0.1",
+        "FAIL  own hostname resolves             198.18.0.3  hvdhostb -> 127.0.0.1",
     ]
 
 
@@ -119,7 +198,7 @@ def test_a_rank_killed_on_the_remote_host_ends_the_job_everywhere(
 ) -> None:
     output = tmp_path / "killed"
     command = [
-        str(BIN / "horovodrun"), "-np", "4", "--disable-cache", "--hostfile",
+        str(BIN / "horovodrun"), "--gloo", "-np", "4", "--disable-cache", "--hostfile",
         str(hosts.hostfile(2)), "-p", str(SSH_PORT), "-i", str(hosts.key),
         str(BIN / "hvd-cpu"), "train", "--epochs", "1000", "--output", str(output),
     ]  # fmt: skip
