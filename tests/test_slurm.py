@@ -1,0 +1,215 @@
+"""SLURM for real: a one-machine cluster (tests/slurm.py) runs `sbatch launch/slurm.sbatch`.
+
+The job's ranks must train as MPI ranks with SLURM's CPUs per task as their threads, end with
+the parameters a Gloo job of the same arguments ends with, and bad input (an allocation
+smaller than asked, a missing file) must end the job with one error line and status 2,
+leaving no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from .conftest import BIN, REPO, horovodrun
+from .slurm import SlurmCluster, missing_tools
+
+SCRIPT = REPO / "launch" / "slurm.sbatch"
+JOB_SECONDS = 240  # sbatch --wait's own limit; a hung job is SLURM's to end (--time)
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="the test SLURM cluster runs its daemons as root"),
+    pytest.mark.skipif(
+        bool(missing_tools()),
+        reason=f"SLURM/munge not installed ({', '.join(missing_tools())} missing): "
+        "run launch/install.sh --test (Debian: apt-get install slurmd slurmctld munge "
+        "slurm-client libpmix-dev)",
+    ),
+]
+
+
+@dataclass
+class Job:
+    job_id: str
+    returncode: int
+    output: str  # what the batch script and its ranks printed (sbatch --output)
+    seconds: float
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """One cluster for the module: it starts in about a second, but 2 cores are shared."""
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as started:
+        yield started
+
+
+def sbatch(
+    cluster: SlurmCluster,
+    folder: Path,
+    *train_args: str,
+    options: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Job:
+    """`sbatch --wait [OPTIONS] launch/slurm.sbatch TRAIN_ARGS`, submitted from `folder` (not
+    the repository: the script must find its venv from the path it was submitted by)."""
+    log = folder / "job-%j.out"
+    command = ["sbatch", "--wait", "--parsable", f"--output={log}", "--time=5", *options]
+    extra = dict(env or {})
+    if BIN.parent != REPO / ".venv":  # the venv running these tests, if not the default one
+        extra.setdefault("HVD_CPU_VENV", str(BIN.parent))
+    start = time.monotonic()
+    done = subprocess.run(
+        [*command, str(SCRIPT), *train_args],
+        cwd=folder,
+        env={**cluster.env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=JOB_SECONDS,
+        check=False,
+    )
+    seconds = time.monotonic() - start
+    job_id = done.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), f"sbatch refused the job: {done.stderr}"
+    output = Path(str(log).replace("%j", job_id))
+    return Job(job_id, done.returncode, output.read_text() if output.exists() else "", seconds)
+
+
+def assert_nothing_left(cluster: SlurmCluster, job: Job, marker: Path) -> None:
+    """No process of the job remains (its tasks, its slurmstepd), nor any hvd-cpu whose
+    command line names this test's folder."""
+    deadline = time.monotonic() + 20  # slurmstepd ends a moment after sbatch --wait returns
+    while (left := cluster.job_processes(job.job_id)) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert left == [], f"job {job.job_id} left processes {left}"
+    pgrep = subprocess.run(["pgrep", "-f", str(marker)], capture_output=True, text=True)
+    assert pgrep.stdout.split() == [], f"processes still running for {marker}"
+
+
+def state_dict(output: Path) -> dict[str, torch.Tensor]:
+    return torch.load(output / "model.pt", weights_only=True)["state_dict"]
+
+
+@pytest.fixture(scope="module")
+def gloo_reference(demo_parquet: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same training under `horovodrun --gloo -np 2`, to compare the SLURM job with."""
+    out = tmp_path_factory.mktemp("gloo") / "out"
+    job = horovodrun(
+        2,
+        "train",
+        "--data",
+        str(demo_parquet),
+        "--epochs",
+        "2",
+        "--output",
+        str(out),
+        launcher=("--gloo",),
+    )
+    assert job.returncode == 0, job.stdout + job.stderr
+    return out
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_sbatch_trains_two_mpi_ranks_like_gloo(
+    launcher: str,
+    cluster: SlurmCluster,
+    demo_parquet: Path,
+    gloo_reference: Path,
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    job = sbatch(
+        cluster,
+        tmp_path,
+        *("--data", str(demo_parquet), "--epochs", "2", "--output", str(out)),
+        env={"HVD_CPU_LAUNCHER": launcher},
+    )
+    assert job.returncode == 0, f"{job.output}\n{cluster.log()}"
+    assert job.output.count("Epoch ") == 2, job.output
+
+    ranks = json.loads((out / "ranks.json").read_text())
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert {r["controller"] for r in ranks} == {"mpi"}
+    assert {r["threads"] for r in ranks} == {1}, "threads per rank = SLURM_CPUS_PER_TASK"
+    assert len({r["param_sha256"] for r in ranks}) == 1, "the ranks end identical"
+
+    slurm, gloo = state_dict(out), state_dict(gloo_reference)
+    assert slurm.keys() == gloo.keys()
+    for name, value in gloo.items():
+        torch.testing.assert_close(slurm[name], value, rtol=0, atol=1e-6, msg=name)
+    assert_nothing_left(cluster, job, out)
+
+
+def test_threads_per_rank_come_from_slurm(
+    cluster: SlurmCluster, demo_parquet: Path, tmp_path: Path
+) -> None:
+    """One task of one CPU: SLURM_CPUS_PER_TASK (1) wins over the cores the rank could use
+    (task/none binds nothing, so it sees all of them: the default would be 2 threads)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 usable cores to tell SLURM's 1 CPU from the default")
+    out = tmp_path / "out"
+    job = sbatch(
+        cluster,
+        tmp_path,
+        *("--data", str(demo_parquet), "--epochs", "1", "--output", str(out), "--quiet"),
+        options=("--ntasks=1", "--cpus-per-task=1"),
+    )
+    assert job.returncode == 0, f"{job.output}\n{cluster.log()}"
+    ranks = json.loads((out / "ranks.json").read_text())
+    assert [(r["rank"], r["threads"], r["controller"]) for r in ranks] == [(0, 1, "mpi")]
+
+
+def test_allocation_smaller_than_asked_ends_with_one_line(
+    cluster: SlurmCluster, demo_parquet: Path, tmp_path: Path
+) -> None:
+    """Two ranks asked (HVD_CPU_NP=2) of a one-task allocation: no rank starts."""
+    out = tmp_path / "out"
+    job = sbatch(
+        cluster,
+        tmp_path,
+        *("--data", str(demo_parquet), "--epochs", "2", "--output", str(out)),
+        options=("--ntasks=1",),
+        env={"HVD_CPU_NP": "2"},
+    )
+    assert job.returncode == 2, job.output
+    lines = job.output.splitlines()
+    assert len(lines) == 1, job.output
+    assert lines[0].startswith("hvd-cpu: error: "), job.output
+    assert "sbatch --ntasks=2" in lines[0], "the line names the fix"
+    assert not out.exists(), "no rank started"
+    assert_nothing_left(cluster, job, out)
+
+
+def test_bad_input_in_a_job_ends_it_with_status_2(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """A missing --data file: every rank sees it, rank 0 says so once, the job ends with 2."""
+    missing = tmp_path / "nowhere.parquet"
+    job = sbatch(cluster, tmp_path, "--data", str(missing), "--output", str(tmp_path / "out"))
+    assert job.returncode == 2, job.output
+    lines = job.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hvd-cpu: error: "), job.output
+    assert str(missing) in lines[0]
+    assert_nothing_left(cluster, job, missing)
+
+
+def test_the_script_outside_slurm_says_how_to_submit() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    done = subprocess.run(
+        [shutil.which("bash") or "bash", str(SCRIPT), "--epochs", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.startswith("hvd-cpu: error: ") and "sbatch" in done.stderr
+    assert len(done.stderr.splitlines()) == 1
