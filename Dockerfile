@@ -1,8 +1,15 @@
-# hvd-cpu in a container: Horovod (patched for current PyTorch, Gloo) + CPU-only torch + hvd-cpu.
+# hvd-cpu in a container: Horovod (patched for current PyTorch; MPI + Gloo) + Debian's Open MPI
+# + CPU-only torch + hvd-cpu.
 #
 #   docker build -t hvd-cpu .
-#   docker run --rm hvd-cpu                      # the demo: horovodrun -np 4 hvd-cpu train
-#   docker run --rm -v "$PWD/data:/data" hvd-cpu horovodrun -np 4 hvd-cpu train --data /data/frame.parquet
+#   docker run --rm hvd-cpu              # the demo: horovodrun --gloo -np 4 hvd-cpu train
+#   docker run --rm -v "$PWD/data:/data" hvd-cpu horovodrun --gloo -np 4 hvd-cpu train --data /data/frame.parquet
+#   docker run --rm hvd-cpu horovodrun --mpi -np 2 hvd-cpu train --allreduce direct  # MPI
+#   docker run --rm hvd-cpu mpirun -np 2 hvd-cpu train                               # MPI
+#
+# Name the controller: plain `horovodrun` picks MPI when it is built in, as here, and MPI pays
+# only with at most one rank per core (README, "Controllers"). Several
+# containers make one job in multi-host mode (HVD_CPU_SSHD=1, see launch/container-entrypoint.sh).
 #
 # Build arguments: BASE_IMAGE (Debian bookworm: its python3 is the 3.11 that Horovod's build
 # needs), TORCH_SPEC, TORCH_INDEX_URL (where CPU-only torch wheels come from; empty: the
@@ -19,6 +26,7 @@ ARG PIP_CERT=
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       python3 python3-venv python3-dev g++ make cmake patch ca-certificates \
+      openmpi-bin libopenmpi-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
@@ -32,12 +40,16 @@ RUN env HVD_CPU_VENV=/opt/venv HVD_CPU_EDITABLE=0 HVD_CPU_CACHE=/tmp/hvd-cpu-cac
  && find /opt/venv -name __pycache__ -prune -exec rm -rf {} + \
  && rm -rf /tmp/hvd-cpu-cache
 
-# The image that runs: Python, ssh for multi-host jobs, the environment built above. No
-# compilers, no build caches.
+# The image that runs: Python, Open MPI's runtime (mpirun, orted, libmpi: the library Horovod's
+# MPI controller and mpi4py load), ssh for multi-host jobs, the environment built above. No
+# compilers, no build caches. openmpi-bin also ships the compiler wrappers (mpicc, mpicxx, ...),
+# which only fail without a compiler: their links are removed so that no one mistakes them for
+# a tool chain (mpirun, mpiexec and orted stay).
 FROM ${BASE_IMAGE}
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      python3 libstdc++6 openssh-client openssh-server procps \
+      python3 libstdc++6 openssh-client openssh-server procps openmpi-bin \
+ && update-alternatives --remove-all mpi \
  && rm -rf /var/lib/apt/lists/* /etc/ssh/ssh_host_* \
  && mkdir -p /run/sshd
 COPY --from=build /opt/venv /opt/venv
@@ -47,7 +59,8 @@ COPY --from=build /opt/venv /opt/venv
 RUN ln -s /opt/venv/bin/hvd-cpu /opt/venv/bin/horovodrun /usr/local/bin/ \
  && horovodrun --check-build >/dev/null
 COPY launch/container-entrypoint.sh /usr/local/bin/hvd-cpu-entrypoint
-ENV PATH=/opt/venv/bin:$PATH
+# Root is the container's user: Open MPI's mpirun may run as root without --allow-run-as-root.
+ENV PATH=/opt/venv/bin:$PATH OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 WORKDIR /work
 ENTRYPOINT ["hvd-cpu-entrypoint"]
-CMD ["horovodrun", "-np", "4", "hvd-cpu", "train"]
+CMD ["horovodrun", "--gloo", "-np", "4", "hvd-cpu", "train"]

@@ -3,7 +3,13 @@
 #
 # Multi-host mode (HVD_CPU_SSHD=1): sshd listens on HVD_CPU_SSH_PORT (default 2222) and accepts
 # the public keys in /root/.ssh/authorized_keys, which you mount at run time (never bake keys
-# into the image). Host keys are made at first start, so every container has its own.
+# into the image). Host keys are made at first start, so every container has its own. One
+# container per host, each with the host's network (e.g. docker run --network host) and a
+# hostname that resolves to that host's address; then, from one of them, with the private key
+# and a host file mounted:
+#   horovodrun --gloo -np 4 --hostfile /data/hostfile -p 2222 -i /keys/key hvd-cpu train ...
+#   horovodrun --mpi  -np 4 --hostfile /data/hostfile -p 2222 -i /keys/key \
+#     --network-interface eth0 hvd-cpu train ...      (mpirun starts its daemons over the same ssh)
 set -euo pipefail
 if [[ ${HVD_CPU_SSHD:-0} == 1 ]]; then
   if [[ ! -s /root/.ssh/authorized_keys ]]; then
