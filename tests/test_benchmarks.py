@@ -13,18 +13,22 @@ from .conftest import REPO, run
 def test_benchmark_suite_runs_every_contender(tmp_path: Path) -> None:
     done = run(
         [sys.executable, str(REPO / "benchmarks" / "run.py"), "--rows", "2000",
-         "--output", str(tmp_path)],
+         "--flights-rows", "3000", "--output", str(tmp_path)],
         timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads((tmp_path / "results.json").read_text())
     kinds = {row["name"].split(" ")[0] for row in rows}
     assert kinds == {"(a)", "(b)", "(c)"}
-    assert {row["model"] for row in rows} == {"seed", "wide"}
+    assert {(row["model"], row["table"]) for row in rows} == {
+        ("seed", "synthetic"),
+        ("wide", "synthetic"),
+        ("seed", "flights"),
+    }
+    assert {row["controller"] for row in rows if row["name"].startswith("(c)")} == {"gloo", "mpi"}
     for row in rows:
         assert row["samples_per_s"] > 0 and row["final_val_loss"] > 0
-        if row["name"].startswith("(c)"):
-            assert 0 < row["launch_seconds"] < row["wall_seconds"]
+        assert 0 < row["launch_seconds"] < row["wall_seconds"]
     for plain in (row for row in rows if row["name"].startswith("(a)")):
         # the threshold is (a)'s own final loss, so (a) reaches it by its last epoch
         assert plain["threshold"] == plain["final_val_loss"]
