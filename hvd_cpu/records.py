@@ -157,7 +157,9 @@ class Records:
         width = max(len(name) for name, _ in rows)
         say("\n".join(f"  {name:<{width}}  {value}" for name, value in rows))
         if self.world_size > 1 and waiting > WAITING_HINT:
-            cheaper = {"gloo": "the MPI controller (horovodrun --mpi), "}.get(self.controller, "")
+            cheaper = {
+                "gloo": "horovodrun --mpi with --allreduce direct and one rank per core, "
+            }.get(self.controller, "")
             if self.controller == "mpi" and self.config.allreduce != "direct":
                 cheaper = "--allreduce direct, "
             say(
