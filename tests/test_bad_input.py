@@ -59,6 +59,10 @@ CASES: dict[str, Case] = {
         lambda tmp, demo: data(demo.assign(target=3.0), tmp),
         r"target column 'target' is constant",
     ),
+    "empty target": (
+        lambda tmp, demo: data(demo.assign(target=float("nan")), tmp),
+        r"target column 'target' is empty: every value is missing or not finite",
+    ),
     "text target": (
         lambda tmp, demo: data(demo.assign(target="high"), tmp),
         r"target column 'target' is not numeric .*--task classification",

@@ -238,7 +238,12 @@ def fit(
     else:
         as_columns = [InputColumn(t, "numeric") for t in selection.targets]
         stats = _statistics(frame, as_columns, collectives)
-        for name, (_, _, mean, std) in stats.items():
+        for name, (_, count, mean, std) in stats.items():
+            if count == 0:
+                raise InputError(
+                    f"target column {name!r} is empty: every value is missing or not finite; "
+                    "check --target and the data"
+                )
             if std == 0:
                 raise InputError(f"target column {name!r} is constant ({mean:g}); nothing to learn")
         if standardize_target:
