@@ -8,6 +8,7 @@ reports it once.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -56,6 +57,9 @@ def check_output(config: TrainConfig, world: dist.World) -> dict[str, Any] | Non
     """Rank 0: refuse to overwrite an earlier run's checkpoint, or load it for --resume."""
     if not world.is_root:
         return None
+    # Folders made only to test writing go again: the run makes them when it has something to
+    # write, so one that stops on bad input leaves no empty folder behind.
+    made = [folder for folder in (config.output, *config.output.parents) if not folder.exists()]
     try:
         config.output.mkdir(parents=True, exist_ok=True)
         probe = config.output / ".hvd-cpu-write-test"
@@ -66,6 +70,10 @@ def check_output(config: TrainConfig, world: dist.World) -> dict[str, Any] | Non
             f"cannot write to output folder {config.output}: {exc.strerror}; "
             "choose another --output"
         ) from exc
+    finally:
+        for folder in made:  # the deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     path = config.output / checkpoint.CHECKPOINT
     if config.resume:
         state = checkpoint.load(path, "checkpoint to resume")

@@ -158,3 +158,14 @@ def test_every_rank_ends_with_one_line_from_rank_0(
     leftover = subprocess.run(["pgrep", "-f", str(output)], capture_output=True, text=True)
     assert leftover.stdout == "", "no rank outlives the job"
     assert_untouched(output)
+
+
+@pytest.mark.parametrize("np", [1, 2])
+def test_a_run_stopped_by_bad_input_leaves_no_folder_behind(
+    np: int, demo_parquet: Path, tmp_path: Path
+):
+    args = ["train", "--data", str(demo_parquet), "--target", "price"]
+    args += ["--output", str(tmp_path / "new" / "run")]
+    job = hvd_cpu(*args) if np == 1 else horovodrun(np, *args)
+    assert job.returncode == 2
+    assert list(tmp_path.iterdir()) == []
