@@ -246,6 +246,24 @@ class Trainer:
         self.state = LoopState(**dist.broadcast_object(asdict(self.state), "loop_state"))
 
 
+def check_finite(metrics: EpochMetrics, config: TrainConfig, saved_epoch: int | None) -> None:
+    """Stop a diverging run before it checkpoints or exports parameters that are not finite.
+    Every rank sees the same allreduced losses, so every rank stops here together."""
+    losses = [metrics.train_loss, metrics.val_loss]
+    if all(loss is None or math.isfinite(loss) for loss in losses):
+        return
+    kept = (
+        f"{config.output / checkpoint.CHECKPOINT} holds epoch {saved_epoch}"
+        if saved_epoch
+        else "no checkpoint of this run was written"
+    )
+    raise InputError(
+        f"training diverged in epoch {metrics.epoch} (train loss {metrics.train_loss:g}); "
+        f"{kept}; lower --lr (now {metrics.lr:g}), add --warmup-epochs, or "
+        "--standardize-target for a target with large values"
+    )
+
+
 def exported(config: TrainConfig, model: nn.Module, transform: FeatureTransform) -> dict[str, Any]:
     """model.pt: the weights and everything predict needs to rebuild the model and its inputs."""
     return {
@@ -294,17 +312,22 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
     if records:
         records.start(prepared.transform.report.lines(), trainer.state.history)
     first_step_unix = time.time()  # launch to here is the start-up cost (ranks.json)
+    saved_epoch = trainer.state.epoch if prepared.resumed else None
     while not trainer.done():
         epoch = trainer.state.epoch + 1
         progress = records.progress(epoch, len(trainer.batches)) if records else None
         metrics = trainer.run_epoch(progress)
+        if progress:
+            progress.close()
+        check_finite(metrics, config, saved_epoch)
         if records:
             records.epoch(metrics)
-            last = trainer.done()
-            if last or metrics.epoch % config.checkpoint_every == 0:
+        if trainer.done() or metrics.epoch % config.checkpoint_every == 0:
+            if records:
                 checkpoint.save(
                     trainer.checkpoint(prepared.transform), config.output / checkpoint.CHECKPOINT
                 )
+            saved_epoch = metrics.epoch
 
     reports = dist.gather(
         {

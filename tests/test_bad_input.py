@@ -169,3 +169,26 @@ def test_a_run_stopped_by_bad_input_leaves_no_folder_behind(
     job = hvd_cpu(*args) if np == 1 else horovodrun(np, *args)
     assert job.returncode == 2
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("np", [1, 2])
+def test_a_diverging_run_stops_with_one_line_and_exports_nothing(
+    np: int, demo_parquet: Path, tmp_path: Path
+):
+    """Targets near float32's limit: the squared error overflows to inf in the first epoch."""
+    frame = pd.read_parquet(demo_parquet)
+    args = ["train", *data(frame.assign(target=frame["target"] * 1e25), tmp_path)]
+    args += ["--epochs", "3", "--output", str(tmp_path / "out")]
+    job = hvd_cpu(*args) if np == 1 else horovodrun(np, *args)
+    assert job.returncode == 2
+    lines = [text for _, text in job.rank_lines()] if np > 1 else job.stderr.splitlines()
+    lines = [line for line in lines if line.strip()]
+    assert len(lines) == 1, lines
+    assert re.match(
+        r"hvd-cpu: error: training diverged in epoch 1 \(train loss (inf|nan)\); no checkpoint "
+        r"of this run was written; lower --lr \(now [\d.e-]+\), add --warmup-epochs, or "
+        r"--standardize-target",
+        lines[0],
+    ), lines[0]
+    assert not (tmp_path / "out" / "model.pt").exists()
+    assert not (tmp_path / "out" / "checkpoint.pt").exists()
