@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -62,6 +63,12 @@ CASES: dict[str, Case] = {
     "empty target": (
         lambda tmp, demo: data(demo.assign(target=float("nan")), tmp),
         r"target column 'target' is empty: every value is missing or not finite",
+    ),
+    "multiindex columns": (
+        lambda tmp, demo: data(
+            demo.set_axis(pd.MultiIndex.from_tuples([("a", c) for c in demo.columns]), axis=1), tmp
+        ),
+        r"frame\.pkl has MultiIndex columns \(e\.g\. \('a', 'x0'\)\); flatten them",
     ),
     "text target": (
         lambda tmp, demo: data(demo.assign(target="high"), tmp),
@@ -192,3 +199,13 @@ def test_a_diverging_run_stops_with_one_line_and_exports_nothing(
     ), lines[0]
     assert not (tmp_path / "out" / "model.pt").exists()
     assert not (tmp_path / "out" / "checkpoint.pt").exists()
+
+
+def test_integer_column_names_train_as_their_text(demo_parquet: Path, tmp_path: Path) -> None:
+    """A frame built from a matrix has column names 0, 1, ...: `--target 8` names the last."""
+    frame = pd.read_parquet(demo_parquet)
+    args = ["train", *data(frame.set_axis(range(frame.shape[1]), axis=1), tmp_path)]
+    job = horovodrun(2, *args, "--target", "8", "--epochs", "1", "--output", str(tmp_path / "o"))
+    assert job.returncode == 0, job.stdout + job.stderr
+    features = json.loads((tmp_path / "o" / "features.json").read_text())
+    assert [c["name"] for c in features["inputs"]] == [str(i) for i in range(8)]

@@ -85,6 +85,21 @@ def read_frame(path: Path, fmt: str | None = None) -> pd.DataFrame:
         raise InputError(f"{path} holds a {type(frame).__name__}, not a DataFrame")
     if len(frame) == 0:
         raise InputError(f"the data has no rows: {path} is empty")
+    return _text_column_names(frame, path)
+
+
+def _text_column_names(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
+    """Column names as the command line and features.json name them: text. Numbers (a frame
+    built from a matrix) become their text, so `--target 7` names column 7; a MultiIndex has no
+    one name to give, so flattening it is the user's choice."""
+    if isinstance(frame.columns, pd.MultiIndex):
+        raise InputError(
+            f"{path} has MultiIndex columns (e.g. {frame.columns[0]!r}); flatten them to text "
+            "names (frame.columns = ['_'.join(map(str, c)) for c in frame.columns]) and save it "
+            "again"
+        )
+    if not all(isinstance(name, str) for name in frame.columns):
+        frame.columns = [str(name) for name in frame.columns]
     return frame
 
 
