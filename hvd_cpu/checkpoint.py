@@ -72,6 +72,21 @@ def load(path: Path, what: str) -> dict[str, Any]:
         ) from exc
 
 
+CHECKPOINT_KEYS = ("model", "optimizer", "loop", "features", "config")
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """checkpoint.pt for --resume: a file that loads but is not one (a model.pt, a tensor,
+    another program's pickle) is refused here in one line, not half-used."""
+    state = load(path, "checkpoint to resume")
+    if not isinstance(state, dict) or any(key not in state for key in CHECKPOINT_KEYS):
+        raise InputError(
+            f"{path} is not a checkpoint written by hvd-cpu train; resume from the output "
+            "folder of an hvd-cpu run, or start again with --overwrite"
+        )
+    return state
+
+
 def load_model_file(path: Path) -> dict[str, Any]:
     """The exported model: `path` is model.pt or the training's output folder."""
     if path.is_dir():

@@ -76,7 +76,7 @@ def check_output(config: TrainConfig, world: dist.World) -> dict[str, Any] | Non
                 folder.rmdir()
     path = config.output / checkpoint.CHECKPOINT
     if config.resume:
-        state = checkpoint.load(path, "checkpoint to resume")
+        state = checkpoint.load_checkpoint(path)
         earlier = state["config"]
         now = config.to_dict()
         changed = [k for k in TrainConfig.ARCHITECTURE if earlier[k] != now[k]]

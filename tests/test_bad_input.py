@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from .conftest import RANK_PREFIX, horovodrun, hvd_cpu
 
@@ -209,3 +210,35 @@ def test_integer_column_names_train_as_their_text(demo_parquet: Path, tmp_path: 
     assert job.returncode == 0, job.stdout + job.stderr
     features = json.loads((tmp_path / "o" / "features.json").read_text())
     assert [c["name"] for c in features["inputs"]] == [str(i) for i in range(8)]
+
+
+@pytest.mark.parametrize("kind", ["a tensor", "torn bytes", "a model.pt"])
+def test_resuming_from_a_file_that_is_not_a_checkpoint_is_one_line(
+    kind: str, demo_parquet: Path, tmp_path: Path
+):
+    output = tmp_path / "run"
+    output.mkdir()
+    saved = output / "checkpoint.pt"
+    if kind == "a tensor":
+        torch.save(torch.ones(3), saved)
+    elif kind == "torn bytes":
+        saved.write_bytes(b"PK\x03\x04 not a torch file")
+    else:
+        trained = hvd_cpu("train", "--data", str(demo_parquet), "--epochs", "1",
+                          "--output", str(tmp_path / "trained"))  # fmt: skip
+        assert trained.returncode == 0, trained.stderr
+        saved.write_bytes((tmp_path / "trained" / "model.pt").read_bytes())
+    before = saved.read_bytes()
+    args = ["train", "--data", str(demo_parquet), "--resume", "--output", str(output)]
+    job = horovodrun(2, *args)
+    assert job.returncode == 2
+    lines = [(rank, text) for rank, text in job.rank_lines() if text.strip()]
+    assert len(lines) == 1 and lines[0][0] == 0, lines
+    expected = (
+        "is not a checkpoint written by hvd-cpu train"
+        if kind != "torn bytes"
+        else ("cannot load the checkpoint to resume")
+    )
+    assert expected in lines[0][1]
+    assert "Traceback" not in job.stdout + job.stderr
+    assert saved.read_bytes() == before
