@@ -106,7 +106,9 @@ def predict(config: PredictConfig) -> pd.DataFrame | None:
     model, transform, frame = agreed(lambda: load(config))
     rows = len(frame)
     block = frame.iloc[world.rank * rows // world.size : (world.rank + 1) * rows // world.size]
-    parts = dist.gather(predictions(model, transform, block, config.id_column), "predictions")
+    # agreed: a value that does not parse may sit in one rank's block only
+    mine = agreed(lambda: predictions(model, transform, block, config.id_column))
+    parts = dist.gather(mine, "predictions")
     if not world.is_root:
         return None
     result = pd.concat(parts).reset_index(drop=True)

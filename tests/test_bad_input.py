@@ -242,3 +242,39 @@ def test_resuming_from_a_file_that_is_not_a_checkpoint_is_one_line(
     assert expected in lines[0][1]
     assert "Traceback" not in job.stdout + job.stderr
     assert saved.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        (
+            lambda f: f.assign(x0=f["x0"].astype(str).where(f.index != 3, "abc")),
+            r"column 'x0' held numbers in training but has 1 value\(s\) that are not numbers "
+            r"here \(e\.g\. 'abc'\)",
+        ),
+        (
+            lambda f: f.assign(x1=pd.Timestamp("2024-01-01")),
+            r"column 'x1' holds datetime64\[\w+\] values but held numbers in training",
+        ),
+    ],
+    ids=["words", "timestamps"],
+)
+def test_predict_on_values_of_another_type_is_one_line(
+    change: Callable[[pd.DataFrame], pd.DataFrame],
+    pattern: str,
+    demo_parquet: Path,
+    tmp_path: Path,
+):
+    trained = hvd_cpu("train", "--data", str(demo_parquet), "--epochs", "1",
+                      "--output", str(tmp_path / "model"))  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    args = ["predict", "--model", str(tmp_path / "model")]
+    args += [*data(change(pd.read_parquet(demo_parquet)), tmp_path), "--output"]
+    alone = hvd_cpu(*args, str(tmp_path / "alone.csv"))
+    assert alone.returncode == 2
+    assert len(alone.stderr.splitlines()) == 1 and re.search(pattern, alone.stderr), alone.stderr
+    two = horovodrun(2, *args, str(tmp_path / "two.csv"))
+    assert two.returncode == 2
+    lines = [(rank, text) for rank, text in two.rank_lines() if text.strip()]
+    assert len(lines) == 1 and lines[0][0] == 0 and re.search(pattern, lines[0][1]), lines
+    assert not (tmp_path / "alone.csv").exists() and not (tmp_path / "two.csv").exists()

@@ -8,8 +8,9 @@ is plain data (JSON), saved next to the model and applied again by `predict`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -79,11 +80,12 @@ class InputColumn:
     def expand(self, series: pd.Series) -> Iterator[tuple[str, np.ndarray]]:
         """(output name, float64 values with NaN where missing) for each derived column."""
         if self.kind in ("numeric", "bool", "empty"):
-            yield self.name, _floats(series)
+            yield self.name, _floats(_numbers(series, self.name))
         elif self.kind == "timedelta":
-            yield self.name, _floats(pd.to_timedelta(series) / pd.Timedelta(seconds=1))
+            seconds = _parsed(pd.to_timedelta, series, self.name, "durations")
+            yield self.name, _floats(seconds / pd.Timedelta(seconds=1))
         elif self.kind == "datetime":
-            stamps = pd.to_datetime(series, utc=True)
+            stamps = _parsed(partial(pd.to_datetime, utc=True), series, self.name, "timestamps")
             epoch = pd.Timestamp(0, tz="UTC")
             yield self.name, _floats((stamps - epoch) / pd.Timedelta(seconds=1))
             for part in DATETIME_PARTS:
@@ -425,6 +427,37 @@ def _statistics(
         name: (source, int(count), float(mean), float(std))
         for (source, name), count, mean, std in zip(names, counts, means, stds, strict=True)
     }
+
+
+def _numbers(series: pd.Series, name: str) -> pd.Series:
+    """A column that was numbers in training, as numbers; text that reads as numbers is fine
+    (a CSV), anything else (words, timestamps) is the user's to fix, named in one line."""
+    if types.is_datetime64_any_dtype(series) or types.is_timedelta64_dtype(series):
+        raise InputError(
+            f"column {name!r} holds {series.dtype} values but held numbers in training; "
+            "convert it to numbers, or train on it as it is"
+        )
+    if types.is_numeric_dtype(series) or types.is_bool_dtype(series):
+        return series
+    numbers = pd.to_numeric(series.astype(object), errors="coerce")
+    bad = series.notna() & numbers.isna()
+    if bad.any():
+        raise InputError(
+            f"column {name!r} held numbers in training but has {int(bad.sum())} value(s) that "
+            f"are not numbers here (e.g. {series[bad].iloc[0]!r}); fix or blank them"
+        )
+    return numbers
+
+
+def _parsed(parse: Callable[[pd.Series], Any], series: pd.Series, name: str, what: str) -> Any:
+    """`parse(series)`, or one line naming the column whose values are not `what`."""
+    try:
+        return parse(series)
+    except (ValueError, TypeError) as exc:
+        raise InputError(
+            f"column {name!r} held {what} in training but not all its values here are "
+            f"({' '.join(str(exc).split())[:120]}); fix or blank them"
+        ) from exc
 
 
 def _floats(values: pd.Series) -> np.ndarray:
