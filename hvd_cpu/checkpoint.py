@@ -55,8 +55,15 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
 
 
 def save(obj: dict[str, Any], path: Path) -> None:
-    """torch.save, atomically."""
-    atomic_write(path, lambda handle: torch.save(obj, handle))
+    """torch.save, atomically. A failed write (a full disk) comes out as the OSError it is:
+    torch.save reports it as a RuntimeError from its zip writer."""
+    try:
+        atomic_write(path, lambda handle: torch.save(obj, handle))
+    except RuntimeError as exc:
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, OSError):
+            raise cause from exc
+        raise
 
 
 def load(path: Path, what: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import NoReturn
 import click
 
 from hvd_cpu import __version__
-from hvd_cpu.errors import InputError
+from hvd_cpu.errors import InputError, RunFailed
 
 
 def _fail(show: Callable[[], None], code: int, together: bool = False) -> NoReturn:
@@ -475,9 +475,9 @@ def main() -> None:
         sys.exit(130)
     except click.ClickException as exc:
         _fail(exc.show, exc.exit_code)
-    except InputError as exc:
+    except (InputError, RunFailed) as exc:
         message = f"hvd-cpu: error: {' '.join(str(exc).split())}"
-        _fail(lambda: click.echo(message, err=True), InputError.exit_code, together=True)
+        _fail(lambda: click.echo(message, err=True), exc.exit_code, together=True)
     except Exception as exc:
         from hvd_cpu import dist
 

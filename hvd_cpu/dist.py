@@ -285,8 +285,8 @@ def default_threads(local_size: int) -> int:
     return max(1, usable_cores() // local_size)
 
 
-def agree_on_error(message: str | None) -> None:
-    """Raise the same InputError on every rank if any rank found one, else return.
+def agree_on_error(message: str | None, kind: type[Exception] = InputError) -> None:
+    """Raise the same error (InputError, or `kind`) on every rank if any rank found one.
 
     Every rank calls this once after reading its input, so a problem seen by one rank only
     (a file missing on one host) ends all ranks instead of leaving them in a collective.
@@ -296,7 +296,7 @@ def agree_on_error(message: str | None) -> None:
     if failed:
         rank, host, text = failed[0]
         everywhere = len(failed) == len(reports)
-        raise InputError(text if everywhere else f"on rank {rank} ({host}): {text}")
+        raise kind(text if everywhere else f"on rank {rank} ({host}): {text}")
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Any:

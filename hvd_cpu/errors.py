@@ -1,7 +1,13 @@
-"""The one exception type that means "the user's input is wrong", as opposed to a bug."""
+"""The exception types that end a job with one line from rank 0 instead of a traceback."""
 
 
 class InputError(Exception):
     """Bad input: reported as one line (problem and fix) by rank 0, exit code 2, no traceback."""
 
     exit_code = 2
+
+
+class RunFailed(Exception):
+    """A fault of the machine, not of the input (a full disk): one line from rank 0, exit 1."""
+
+    exit_code = 1

@@ -13,7 +13,10 @@ import os
 import resource
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +27,7 @@ from hvd_cpu.config import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.data.loader import LocalShardSampler, ShardedBatches, global_sampler
 from hvd_cpu.direct_allreduce import FlatGradients
-from hvd_cpu.errors import InputError
+from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.models import parameter_digest, portable_spec
 from hvd_cpu.optim import adam
 from hvd_cpu.prepare import Prepared, prepare
@@ -246,6 +249,33 @@ class Trainer:
         self.state = LoopState(**dist.broadcast_object(asdict(self.state), "loop_state"))
 
 
+def write_epoch(
+    records: Records, metrics: EpochMetrics, saving: Trainer | None, transform: FeatureTransform
+) -> None:
+    """Rank 0, after an epoch: its line and metrics, and the checkpoint of `saving`, if any."""
+    records.epoch(metrics)
+    if saving:
+        checkpoint.save(saving.checkpoint(transform), records.output / checkpoint.CHECKPOINT)
+
+
+def written_by_root(
+    world: dist.World, write: Callable[[], None], output: Path, saved: int | None
+) -> None:
+    """Rank 0 writes; then every rank learns whether that worked, so a full disk ends all of
+    them with one line (and no peer is left waiting in the next collective)."""
+    failure = None
+    if world.is_root:
+        try:
+            write()
+        except OSError as exc:
+            kept = f"checkpoint.pt there holds epoch {saved}" if saved else "no checkpoint was kept"
+            failure = (
+                f"could not write to {output}: {exc.strerror}; {kept}; "
+                "free space (or choose another --output) and run again with --resume"
+            )
+    dist.agree_on_error(failure, RunFailed)
+
+
 def check_finite(metrics: EpochMetrics, config: TrainConfig, saved_epoch: int | None) -> None:
     """Stop a diverging run before it checkpoints or exports parameters that are not finite.
     Every rank sees the same allreduced losses, so every rank stops here together."""
@@ -320,13 +350,11 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
         if progress:
             progress.close()
         check_finite(metrics, config, saved_epoch)
-        if records:
-            records.epoch(metrics)
-        if trainer.done() or metrics.epoch % config.checkpoint_every == 0:
-            if records:
-                checkpoint.save(
-                    trainer.checkpoint(prepared.transform), config.output / checkpoint.CHECKPOINT
-                )
+        save = trainer.done() or metrics.epoch % config.checkpoint_every == 0
+        saving = trainer if save else None
+        write = partial(write_epoch, records, metrics, saving, prepared.transform)
+        written_by_root(world, write, config.output, saved_epoch)
+        if save:
             saved_epoch = metrics.epoch
 
     reports = dist.gather(
@@ -345,11 +373,14 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
         },
         name="rank_reports",
     )
-    if records:
+
+    def write_results() -> None:
         records.ranks(reports)
         records.features(prepared.transform.to_dict())
         checkpoint.save(
             exported(config, model, prepared.transform), config.output / checkpoint.MODEL
         )
         records.summary(trainer.state)
+
+    written_by_root(world, write_results, config.output, saved_epoch)
     return TrainResult(model, prepared.transform, trainer.state.history)

@@ -232,3 +232,35 @@ def test_a_terminal_gets_a_progress_bar_and_plot_draws_the_curves(
 
     quiet = hvd_cpu("train", "--quiet", "--overwrite", "--output", str(tmp_path))
     assert quiet.returncode == 0 and quiet.stdout == ""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
+    """A 5 MB disk holds one 3.2 MB checkpoint, but not the second beside it (the save is
+    atomic: the new file is written next to the old one)."""
+    data = demo_file(tmp_path / "frame.parquet", rows=2000)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(disk)], check=True)
+    try:
+        job = horovodrun(
+            2, "train", "--data", str(data), "--hidden", "512,512", "--epochs", "3",
+            "--output", str(disk / "run"),
+        )  # fmt: skip
+        assert job.returncode == 1, job.stdout + job.stderr
+        errors = [(rank, text) for rank, text in job.rank_lines() if text.strip()]
+        assert [rank for rank, _ in errors] == [0, 0, 0], errors  # two epoch lines, the error
+        assert re.fullmatch(
+            r"hvd-cpu: error: on rank 0 \(\S+\): could not write to "
+            + re.escape(f"{disk / 'run'}: No space left on device; checkpoint.pt there holds ")
+            + r"epoch 1; free space \(or choose another --output\) and run again with --resume",
+            errors[2][1],
+        ), errors[2][1]
+        assert "Traceback" not in job.stdout + job.stderr
+        saved = torch.load(disk / "run" / "checkpoint.pt", weights_only=True)
+        assert saved["loop"]["epoch"] == 1
+        assert sorted(p.name for p in (disk / "run").iterdir()) == [
+            "checkpoint.pt", "metrics.jsonl"
+        ]  # fmt: skip
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
