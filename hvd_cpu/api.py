@@ -15,13 +15,14 @@ import pandas as pd
 
 from hvd_cpu import dist
 from hvd_cpu.config import TrainConfig
+from hvd_cpu.lifecycle import launch_rank
 from hvd_cpu.train import TrainResult, train
 
 
 def _rank_main(config: TrainConfig) -> TrainResult | None:
     """What each rank runs; rank 0 hands back the model and metrics."""
     result = train(config)
-    return result if dist.launch_rank() == 0 else None
+    return result if launch_rank() == 0 else None
 
 
 def fit(

@@ -15,25 +15,27 @@ import click
 
 from hvd_cpu import __version__
 from hvd_cpu.errors import InputError, RunFailed
+from hvd_cpu.lifecycle import exit_now, exit_quietly_on_signals, launch_rank, launch_rank_known
 
 
 def _fail(show: Callable[[], None], code: int, together: bool = False) -> NoReturn:
-    """Rank 0 shows the error; every rank of a launched job exits with `code` at once, without
-    teardown (after leaving Horovod with the others, if `together`: all of them met the error
-    at the same point). Rank 0 prints first: a launcher may kill the job as soon as any rank
-    exits (srun --kill-on-bad-exit). A process nobody launched (a plain run, bench's parent)
-    has no peers to wait for, and tears down normally: skipping it would leak what its own
-    launches left."""
-    # Imported lazily: `hvd-cpu --help` and make-demo-data should not pay for loading Horovod.
-    from hvd_cpu import dist
-
-    if dist.launch_rank() == 0:
+    """Rank 0 shows the error and exits with `code`; the other ranks of a launched job exit
+    with 0: all of them met the same error (after leaving Horovod together, if `together`),
+    and a rank that exits non-zero first makes the launcher kill the rest (horovodrun, srun
+    --kill-on-bad-exit), sometimes before rank 0's line has reached the terminal. Rank 0's
+    code is the job's. All exit without teardown. A process nobody launched (a plain run,
+    bench's parent) has no peers to wait for, and tears down normally: skipping it would leak
+    what its own launches left."""
+    if launch_rank() == 0:
         show()
     if together:
+        # Imported lazily: `hvd-cpu --help` and make-demo-data should not pay for Horovod.
+        from hvd_cpu import dist
+
         dist.leave_together()
-    if not dist.launch_rank_known():
+    if not launch_rank_known():
         sys.exit(code)
-    dist.exit_now(code)
+    exit_now(code if launch_rank() == 0 else 0)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -387,7 +389,7 @@ def bench(
     from hvd_cpu.data.demo import make_demo_frame
     from hvd_cpu.data.frames import write_frame
 
-    if dist.launch_rank_known():
+    if launch_rank_known():
         raise InputError("hvd-cpu bench launches its own jobs: run it without horovodrun")
     output = Path(str(options["output"])).absolute()
     if (output / "bench.json").exists() and not overwrite:
@@ -467,6 +469,10 @@ def make_demo_data(path: Path, rows: int, features: int, seed: int, overwrite: b
 
 def main() -> None:
     """Console entry point: run the command, turn bad input into one line from rank 0."""
+    if launch_rank_known():
+        # From the start: a rank stopped by its launcher before Horovod starts would die by
+        # the signal, and its shell would print "Terminated".
+        exit_quietly_on_signals()
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Exit as exc:
@@ -484,6 +490,6 @@ def main() -> None:
         if not isinstance(exc, dist.PeerLost):
             raise
         # Every surviving rank sees this, so each says it once, in one line, with its rank.
-        rank, reason = dist.launch_rank(), " ".join(str(exc).split())
+        rank, reason = launch_rank(), " ".join(str(exc).split())
         click.echo(f"hvd-cpu: rank {rank}: lost another rank of the job ({reason})", err=True)
-        dist.exit_now(1)
+        exit_now(1)
