@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from hvd_cpu import dist
-from hvd_cpu.config import CONTROLLER_NAMES, TrainConfig
+from hvd_cpu.config import CONTROLLER_NAMES, TrainConfig, steps_use_horovod
 from hvd_cpu.errors import InputError
 from hvd_cpu.prepare import prepare
 from hvd_cpu.train import build_trainer
@@ -48,8 +48,7 @@ class Setting:
 
     @property
     def horovod_steps(self) -> bool:
-        """Whether its training steps go through Horovod (see TrainConfig.horovod_steps)."""
-        return self.allreduce == "horovod" and self.sync_every == 1
+        return steps_use_horovod(self.allreduce, self.sync_every)
 
     def label(self) -> str:
         if self.sync_every > 1:

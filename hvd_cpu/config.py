@@ -17,6 +17,12 @@ DEMO_FEATURES = 16
 CONTROLLER_NAMES = {"mpi": "MPI", "gloo": "Gloo"}
 
 
+def steps_use_horovod(allreduce: str, sync_every: int) -> bool:
+    """Whether training steps go through Horovod (its DistributedOptimizer); when none does,
+    Horovod's background thread can cycle slowly (dist.IDLE_CYCLE_MS)."""
+    return allreduce == "horovod" and sync_every == 1
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything one training job needs; each rank builds the same one from the same options."""
@@ -98,8 +104,7 @@ class TrainConfig:
 
     @property
     def horovod_steps(self) -> bool:
-        """Whether training steps go through Horovod (its DistributedOptimizer)."""
-        return self.allreduce == "horovod" and self.sync_every == 1
+        return steps_use_horovod(self.allreduce, self.sync_every)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (paths as strings), for checkpoints and the exported model."""

@@ -289,14 +289,6 @@ def broadcast_training_state(model: torch.nn.Module, optimizer: torch.optim.Opti
     )
 
 
-def barrier() -> None:
-    """Return when every rank has got here."""
-    if _job_comm is not None:
-        _job_comm.Barrier()
-    else:
-        hvd.barrier()
-
-
 def broadcast_object(obj: Any, name: str) -> Any:
     """Rank 0's object on every rank (other ranks pass anything, typically None)."""
     if _job_comm is not None:

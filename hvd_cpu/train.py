@@ -174,10 +174,6 @@ class Trainer:
         # Summed as tensors so the loop never waits on .item(); float64 so long epochs stay exact.
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, samples, correct
         waited = 0.0
-        # Every rank starts the clock together: rank 0 writes metrics and checkpoints between
-        # epochs, and that wait is not the training's (it made waiting exceed 100 % of rank
-        # 0's epoch).
-        dist.barrier()
         start = time.perf_counter()
         for x, y in self.batches:
             loss_sum, correct, batch_waited = self._run_batch(x, y)
@@ -339,10 +335,14 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
     trainer.restore(prepared.resumed)
 
     records = Records(config, world.size, world.controller) if world.is_root else None
-    if records:
-        records.start(prepared.transform.report.lines(), trainer.state.history)
-    first_step_unix = time.time()  # launch to here is the start-up cost (ranks.json)
     saved_epoch = trainer.state.epoch if prepared.resumed else None
+    # Every write of rank 0 ends with all ranks agreeing it worked, so every epoch also starts
+    # on all ranks together (rank 0's writing is not counted as the others' waiting).
+    notes = prepared.transform.report.lines()
+    written_by_root(
+        world, lambda: records.start(notes, trainer.state.history), config.output, saved_epoch
+    )
+    first_step_unix = time.time()  # launch to here is the start-up cost (ranks.json)
     while not trainer.done():
         epoch = trainer.state.epoch + 1
         progress = records.progress(epoch, len(trainer.batches)) if records else None
