@@ -255,6 +255,26 @@ _data_and_model_options = _stacked(
 @click.option("--resume", is_flag=True, help="Continue from OUTPUT/checkpoint.pt up to --epochs.")
 @click.option("--overwrite", is_flag=True, help="Start again even if OUTPUT holds a checkpoint.")
 @click.option(
+    "--elastic",
+    is_flag=True,
+    help="Go on when ranks die or join (Horovod's elastic mode; start with launch/elastic.sh).",
+)
+@click.option(
+    "--commit-every",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="--elastic: steps between commits of the state in memory; a lost rank costs the "
+    "steps since the last one.",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="--elastic: lost ranks to go on after; the next one ends the job.",
+)
+@click.option(
     "--progress/--no-progress",
     default=None,
     help="A progress bar per epoch. Default: when stdout is a terminal.",

@@ -59,6 +59,10 @@ class TrainConfig:
     # background thread, either controller); "direct", one MPI_Allreduce of all gradients in
     # the training thread (MPI controller only: much less per-step overhead, see README).
     allreduce: Literal["horovod", "direct"] = "horovod"
+    # Horovod's elastic mode: ranks may die or join, training goes on (launch/elastic.sh).
+    elastic: bool = False
+    commit_every: int = 100  # --elastic: steps between in-memory commits (what a failure loses)
+    max_restarts: int = 3  # --elastic: lost ranks to go on after; one more ends the job
     # validation and stopping
     val_fraction: float = 0.1  # held out (by seed) and sharded across ranks; 0: none
     patience: int | None = None  # stop after this many epochs without a better validation loss
@@ -82,9 +86,19 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "max_categories", "checkpoint_every", "sync_every"):
+        counts = (
+            "epochs",
+            "batch_size",
+            "max_categories",
+            "checkpoint_every",
+            "sync_every",
+            "commit_every",
+        )
+        for name in counts:
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_restarts < 0:
+            raise InputError(f"max_restarts must be at least 0, got {self.max_restarts}")
         if self.lr <= 0:
             raise InputError(f"lr must be positive, got {self.lr}")
         if self.threads is not None and self.threads < 1:
@@ -101,6 +115,23 @@ class TrainConfig:
             raise InputError("--patience watches the validation loss: set --val-fraction above 0")
         if self.resume and self.overwrite:
             raise InputError("--resume continues the checkpoint, --overwrite discards it: pick one")
+        if self.elastic:
+            self._check_elastic()
+
+    def _check_elastic(self) -> None:
+        """--elastic reshares rows and rescales the lr whenever ranks come or go, which only
+        the default path does: one gradient average per step over Gloo, every rank all rows."""
+        if self.shard_read:
+            raise InputError(
+                "--elastic shares the rows out again when ranks come and go, so every rank "
+                "reads the whole file: leave out --shard-read"
+            )
+        if self.sync_every > 1:
+            raise InputError("--elastic averages gradients every step: leave out --sync-every")
+        if self.allreduce == "direct":
+            raise InputError(
+                "--elastic runs over Gloo and --allreduce direct needs MPI: leave out one of them"
+            )
 
     @property
     def horovod_steps(self) -> bool:

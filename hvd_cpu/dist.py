@@ -8,6 +8,7 @@ what makes several ranks on one host pay. The data and training code see only a 
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import shutil
@@ -23,9 +24,11 @@ import horovod
 import horovod.torch as hvd
 import numpy as np
 import torch
+from horovod.common.elastic import State, notification_manager
+from horovod.common.exceptions import HostsUpdatedInterrupt
 
 from hvd_cpu.config import CONTROLLER_NAMES
-from hvd_cpu.errors import InputError
+from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.lifecycle import end_with_parent, exit_quietly_on_signals, launch_rank_known
 
 # Set by an MPI launcher (mpirun, horovodrun --mpi, srun --mpi=pmix), not by horovodrun --gloo.
@@ -204,12 +207,103 @@ def init(threads: int | None = None, comm: Any = None, horovod_steps: bool = Tru
         os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
         os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
         hvd.init()
+    return _world(threads, hvd.local_size(), comm)
+
+
+def elastic_world(threads: int | None) -> World:
+    """This rank's place after an elastic (re)start, which may have changed it.
+
+    Threads are shared out among the ranks on this machine, counted by its hostname: Horovod
+    counts ranks per host *name*, and launch/discover-hosts.sh lists one machine under two.
+    A collective, so call it inside the elastic loop only.
+    """
+    here = socket.gethostname()
+    return _world(threads, gather(here, "machine_names").count(here), None)
+
+
+def _world(threads: int | None, ranks_here: int, comm: Any) -> World:
+    """The World, with this rank's share of the machine's cores unless `threads` is fixed."""
     controller = "mpi" if hvd.mpi_enabled() else "gloo"
-    threads = threads or default_threads(hvd.local_size())
+    threads = threads or default_threads(ranks_here)
     torch.set_num_threads(threads)
     return World(
         hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), threads, controller, comm
     )
+
+
+def elastic_launched() -> bool:
+    """Whether horovodrun started this process in its elastic mode (--host-discovery-script)."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
+class ElasticState(State):
+    """What survives a lost rank: a copy in memory, taken at each commit, of what `capture`
+    returns; after a failure `apply` puts it back, and `sync` gives every rank rank 0's.
+
+    Horovod's TorchState would broadcast the optimizer with broadcast_optimizer_state, whose
+    zero-gradient step on a joining rank's fresh optimizer shifts Adam's bias correction; this
+    one leaves capture, apply and sync to the trainer (broadcast_training_state).
+    """
+
+    def __init__(
+        self,
+        capture: Callable[[], dict[str, Any]],
+        apply: Callable[[dict[str, Any]], None],
+        sync: Callable[[], None],
+    ) -> None:
+        super().__init__(bcast_object=_broadcast_host_updates, get_rank=hvd.rank)
+        self._capture, self._apply, self._sync = capture, apply, sync
+        self._saved: dict[str, Any] = {}
+        self.failures = 0  # times the job lost a rank and went on (not undone by restore)
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self._capture())
+
+    def restore(self) -> None:
+        self._apply(copy.deepcopy(self._saved))
+
+    def sync(self) -> None:
+        self._sync()
+        self.failures = broadcast_object(self.failures, "elastic_failures")
+        self.save()
+
+
+def _broadcast_host_updates(update: Any) -> Any:
+    return hvd.broadcast_object(update, root_rank=0, name="elastic_host_updates")
+
+
+def run_elastic(state: ElasticState, body: Callable[[], Any], max_restarts: int) -> Any:
+    """Run `body` until it returns, on whichever ranks there are: when a rank is lost, the
+    survivors roll back to the last commit; when ranks join or go, Horovod starts again
+    with the new set, every rank takes rank 0's state, and `body` runs again. After more
+    than `max_restarts` lost ranks, RunFailed (as torchrun's --max-restarts).
+
+    This is hvd.elastic.run with one change: it syncs after every reset. Horovod skips the
+    sync when hosts were only removed, and when some ranks see that as a notice and others
+    as a failed collective, those that sync wait forever for those that do not (#3494).
+    """
+    notification_manager.init()
+    notification_manager.register_listener(state)
+    try:
+        while True:
+            try:
+                state.sync()
+                return body()
+            except PeerLost as lost:
+                state.restore()
+                state.failures += 1
+                if state.failures > max_restarts:
+                    raise RunFailed(
+                        f"gave up after losing ranks {state.failures} time(s) "
+                        f"(--max-restarts {max_restarts})"
+                    ) from lost
+            except HostsUpdatedInterrupt:
+                pass
+            hvd.shutdown()
+            hvd.init()
+            state.on_reset()
+    finally:
+        notification_manager.remove_listener(state)
 
 
 def default_threads(local_size: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -21,7 +21,13 @@ from torch import nn
 from hvd_cpu import checkpoint, dist
 from hvd_cpu.config import DEMO_FEATURES, DEMO_ROWS, TrainConfig
 from hvd_cpu.data.demo import make_demo_frame
-from hvd_cpu.data.features import Arrays, FeatureTransform, Selection, fit
+from hvd_cpu.data.features import (
+    Arrays,
+    FeatureTransform,
+    OneProcess,
+    Selection,
+    fit,
+)
 from hvd_cpu.data.frames import format_of, read_frame, read_parquet_shard
 from hvd_cpu.errors import InputError
 from hvd_cpu.models import build_model
@@ -42,8 +48,11 @@ class Prepared:
     resumed: dict[str, Any] | None  # rank 0: the checkpoint to continue from
 
 
-def agreed(step: Callable[[], T]) -> T:
-    """Run a step on every rank; bad input on any rank ends every rank here, together."""
+def agreed(step: Callable[[], T], world: dist.World | None = None) -> T:
+    """Run a step on every rank; bad input on any rank ends every rank here, together.
+    A `world` of one (an elastic rank preparing alone) has nobody to agree with."""
+    if world is not None and world.size == 1:
+        return step()
     error, value = None, None
     try:
         value = step()
@@ -95,6 +104,17 @@ def check_output(config: TrainConfig, world: dist.World) -> dict[str, Any] | Non
     return None
 
 
+def load_features(config: TrainConfig) -> dict[str, Any]:
+    """--elastic --resume: the checkpoint's fitted features, read by each rank itself (so the
+    checkpoint must be readable on every host: a shared --output)."""
+    return checkpoint.load_checkpoint(config.output / checkpoint.CHECKPOINT)["features"]
+
+
+def checked_output(config: TrainConfig, world: dist.World) -> dict[str, Any] | None:
+    """check_output, agreed by every rank (under --elastic, once the ranks are together)."""
+    return agreed(lambda: check_output(config, world), world)
+
+
 def read_rows(config: TrainConfig, world: dist.World) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(the rows this rank trains from, its disjoint part of the rows for fitting statistics).
 
@@ -125,12 +145,12 @@ def encode(
 ) -> tuple[FeatureTransform, Arrays]:
     """Read this rank's rows, fit the transformation over all ranks (or take the resumed
     one), and encode the rows. The DataFrame is dropped on return."""
-    frame, part = agreed(lambda: read_rows(config, world))
+    frame, part = agreed(lambda: read_rows(config, world), world)
     if fitted is not None:
         transform = FeatureTransform.from_dict(fitted)
     else:
         selection = Selection(config.targets, config.features, config.drop)
-        collectives = dist.Collectives()
+        collectives = OneProcess() if world.size == 1 else dist.Collectives()
         transform = agreed(
             lambda: fit(
                 part,
@@ -139,9 +159,10 @@ def encode(
                 config.max_categories,
                 config.standardize_target,
                 collectives,
-            )
+            ),
+            world,
         )
-    return transform, agreed(lambda: transform.arrays(frame))
+    return transform, agreed(lambda: transform.arrays(frame), world)
 
 
 def split(rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,9 +174,20 @@ def split(rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Te
 
 def prepare(config: TrainConfig, world: dist.World) -> Prepared:
     """Check the output, read, fit, encode, split and build on every rank, agreeing on bad
-    input after each step."""
-    resumed = agreed(lambda: check_output(config, world))
-    fitted = dist.broadcast_object(resumed["features"] if resumed else None, "fitted")
+    input after each step.
+
+    Under --elastic each rank prepares alone, as a job of one on all the rows (the same
+    statistics, since every rank reads the same file): a rank that joins later must not
+    wait in a collective the others have long passed. Its output check and resumed state
+    come later, from `checked_output` inside the elastic loop.
+    """
+    if config.elastic:
+        world = replace(world, rank=0, size=1)
+        resumed = None
+        fitted = load_features(config) if config.resume else None
+    else:
+        resumed = checked_output(config, world)
+        fitted = dist.broadcast_object(resumed["features"] if resumed else None, "fitted")
     transform, arrays = encode(config, world, fitted)
 
     if config.shard_read:  # each rank holds its own rows: hold out some of them
@@ -163,7 +195,7 @@ def prepare(config: TrainConfig, world: dist.World) -> Prepared:
     else:  # every rank holds all rows: hold out the same ones, then share them out
         train_rows, val_rows = split(len(arrays), config.val_fraction, config.seed)
         val_rows = val_rows[world.rank :: world.size]
-    lengths = dist.gather(len(train_rows), name="train_rows")
+    lengths = [len(train_rows)] if world.size == 1 else dist.gather(len(train_rows), "train_rows")
     if min(lengths) == 0 or (not config.shard_read and lengths[0] < world.size):
         raise InputError(
             f"too few rows with a usable target to train {world.size} rank(s) "
@@ -180,5 +212,5 @@ def prepare(config: TrainConfig, world: dist.World) -> Prepared:
             transform.n_outputs,
         )
 
-    model = agreed(build)
+    model = agreed(build, world)
     return Prepared(transform, arrays, train_rows, val_rows, max(lengths), model, resumed)

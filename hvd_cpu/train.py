@@ -2,8 +2,8 @@
 rate schedule, checkpoints.
 
 All state that changes during training is the model, the optimizer and one `LoopState`;
-checkpoints save exactly these three, and `--resume` (or, later, Horovod's elastic mode)
-restores them and broadcasts them from rank 0.
+checkpoints save exactly these three, and `--resume` (or, under --elastic, the last commit in
+memory) restores them and broadcasts them from rank 0.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 import os
 import resource
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -25,13 +26,18 @@ from torch import nn
 from hvd_cpu import checkpoint, dist
 from hvd_cpu.config import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
-from hvd_cpu.data.loader import LocalShardSampler, ShardedBatches, global_sampler
+from hvd_cpu.data.loader import (
+    LocalShardSampler,
+    ResumableSampler,
+    ShardedBatches,
+    global_sampler,
+)
 from hvd_cpu.direct_allreduce import FlatGradients
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.models import parameter_digest, portable_spec
 from hvd_cpu.optim import adam
-from hvd_cpu.prepare import Prepared, prepare
-from hvd_cpu.records import EpochMetrics, Progress, Records
+from hvd_cpu.prepare import Prepared, checked_output, prepare
+from hvd_cpu.records import EpochMetrics, Progress, Records, say
 
 EVAL_BATCH = 8192  # rows per forward pass when evaluating: no gradients, so bigger is cheaper
 
@@ -47,6 +53,7 @@ class LoopState:
     best_epoch: int = 0
     since_best: int = 0  # epochs since the validation loss last improved
     since_lr_change: int = 0  # epochs without progress since the lr last changed
+    epoch_rows: int = 0  # rows of the current epoch trained by all ranks (--elastic resumes here)
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -65,7 +72,11 @@ class Validation:
     def __init__(self, prepared: Prepared) -> None:
         self.x = torch.from_numpy(prepared.arrays.x)
         self.y = torch.from_numpy(prepared.arrays.y)
-        self.rows = prepared.val_rows
+        self.held_out = self.rows = prepared.val_rows
+
+    def reshard(self, rank: int, size: int) -> None:
+        """--elastic: every rank holds all held-out rows and evaluates its share of them."""
+        self.rows = self.held_out[rank::size]
 
     def evaluate(
         self, model: nn.Module, loss_fn: nn.Module, classification: bool
@@ -102,6 +113,7 @@ class Trainer:
         world_size = world.size
         self.config = config
         self.model = model
+        self.elastic = config.elastic
         self.local_sgd = config.sync_every > 1 and world_size > 1
         optimizer = adam(model.parameters(), config.lr)
         self.flat: FlatGradients | None = None
@@ -120,12 +132,24 @@ class Trainer:
         self.validation = validation
         self.classification = config.task == "classification"
         self.loss_fn = nn.CrossEntropyLoss() if self.classification else nn.MSELoss()
-        self.world_size = world_size
-        # Gradient averaging makes one step of the global batch: Horovod scales the lr with it.
-        # A local SGD step sees one rank's batch, so its lr stays as given.
-        self.peak_lr = config.lr * (world_size if config.scale_lr and not self.local_sgd else 1)
-        self.warmup_steps = config.warmup_epochs * len(batches)
         self.state = LoopState()
+        self._scale_to(world_size)
+
+    def _scale_to(self, world_size: int) -> None:
+        """Gradient averaging makes one step of the global batch: Horovod scales the lr with
+        it. A local SGD step sees one rank's batch, so its lr stays as given."""
+        config = self.config
+        self.world_size = world_size
+        self.peak_lr = config.lr * (world_size if config.scale_lr and not self.local_sgd else 1)
+        self.warmup_steps = config.warmup_epochs * len(self.batches)
+
+    def resize(self, world: dist.World) -> None:
+        """--elastic: go on with the ranks there are now; the rest of the epoch's rows are
+        shared out among them, and the lr follows the global batch."""
+        self.batches.sampler.reshard(world.rank, world.size)
+        if self.validation:
+            self.validation.reshard(world.rank, world.size)
+        self._scale_to(world.size)
 
     def lr(self) -> float:
         """Horovod's warm-up from lr to lr x size over --warmup-epochs, then the plateau factor."""
@@ -162,14 +186,19 @@ class Trainer:
         correct = (out.argmax(1) == y).sum() if self.classification else torch.zeros(())
         return loss.detach() * len(x), correct, waited
 
-    def run_epoch(self, progress: Progress | None) -> EpochMetrics:
-        """Train on this rank's shard once, then validate; metrics are over all ranks' rows."""
+    def run_epoch(
+        self, progress: Progress | None, after_step: Callable[[], None] | None = None
+    ) -> EpochMetrics:
+        """Train on this rank's shard once, then validate; metrics are over all ranks' rows
+        (under --elastic, those trained since the epoch last went on with other ranks)."""
         state = self.state
         epoch = state.epoch + 1
         lr = self.lr()
         # Derived, not carried: a resumed run draws the same random numbers (dropout...).
         torch.manual_seed(self.config.seed * 1_000_003 + epoch)
         self.batches.set_epoch(epoch)
+        if self.elastic:
+            self.batches.sampler.skip = state.epoch_rows
         self.model.train()
         # Summed as tensors so the loop never waits on .item(); float64 so long epochs stay exact.
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, samples, correct
@@ -179,8 +208,11 @@ class Trainer:
             loss_sum, correct, batch_waited = self._run_batch(x, y)
             totals += torch.stack([loss_sum.double(), torch.tensor(len(x)), correct.double()])
             waited += batch_waited
+            state.epoch_rows += self.config.batch_size * self.world_size
             if progress:
                 progress.update(len(x), float(loss_sum) / len(x))
+            if after_step:
+                after_step()
         if self.local_sgd:  # every rank validates and checkpoints the same parameters
             waited += dist.average_parameters(self.model)
         seconds = time.perf_counter() - start
@@ -201,7 +233,7 @@ class Trainer:
                 self.model, self.loss_fn, self.classification
             )
             self._track(metrics.val_loss, epoch)
-        state.epoch = epoch
+        state.epoch, state.epoch_rows = epoch, 0
         state.history.append(metrics.record())
         return metrics
 
@@ -225,24 +257,38 @@ class Trainer:
         stopped = patience is not None and self.state.since_best >= patience
         return stopped or self.state.epoch >= self.config.epochs
 
-    def checkpoint(self, transform: FeatureTransform) -> dict[str, Any]:
-        """Everything --resume needs, as plain containers and tensors."""
+    def snapshot(self) -> dict[str, Any]:
+        """The state that changes while training (what an elastic commit keeps)."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "loop": asdict(self.state),
+        }
+
+    def checkpoint(self, transform: FeatureTransform) -> dict[str, Any]:
+        """Everything --resume needs, as plain containers and tensors."""
+        return {
+            **self.snapshot(),
             "features": transform.to_dict(),
             "config": self.config.to_dict(),
         }
 
+    def load(self, saved: dict[str, Any]) -> None:
+        """Take a snapshot (or checkpoint) on this rank."""
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.state = LoopState(**saved["loop"])
+
+    def sync(self) -> None:
+        """Every rank takes rank 0's state."""
+        dist.broadcast_training_state(self.model, self.optimizer)
+        self.state = LoopState(**dist.broadcast_object(asdict(self.state), "loop_state"))
+
     def restore(self, saved: dict[str, Any] | None) -> None:
         """Rank 0 loads `saved` (if resuming); then every rank takes rank 0's state."""
         if saved is not None:
-            self.model.load_state_dict(saved["model"])
-            self.optimizer.load_state_dict(saved["optimizer"])
-            self.state = LoopState(**saved["loop"])
-        dist.broadcast_training_state(self.model, self.optimizer)
-        self.state = LoopState(**dist.broadcast_object(asdict(self.state), "loop_state"))
+            self.load(saved)
+        self.sync()
 
 
 def write_epoch(
@@ -311,76 +357,183 @@ def build_trainer(
     config: TrainConfig, world: dist.World, prepared: Prepared, model: nn.Module
 ) -> Trainer:
     """A Trainer over this rank's shard of `prepared`; call on every rank (collectives)."""
+    rows = len(prepared.train_rows)
     if config.shard_read:
         sampler = LocalShardSampler(
-            len(prepared.train_rows), prepared.train_length, world.rank, config.shuffle, config.seed
+            rows, prepared.train_length, world.rank, config.shuffle, config.seed
         )
+    elif config.elastic:
+        sampler = ResumableSampler(rows, world.rank, world.size, config.shuffle, config.seed)
     else:
-        sampler = global_sampler(
-            len(prepared.train_rows), world.rank, world.size, config.shuffle, config.seed
-        )
+        sampler = global_sampler(rows, world.rank, world.size, config.shuffle, config.seed)
     batches = ShardedBatches(prepared.arrays, prepared.train_rows, config.batch_size, sampler)
-    has_validation = dist.sum_over_ranks(torch.tensor([len(prepared.val_rows)]), "val_rows") > 0
+    if config.elastic:  # every rank holds all held-out rows; no collective before the loop
+        has_validation = len(prepared.val_rows) > 0
+    else:
+        has_validation = dist.sum_over_ranks(torch.tensor([len(prepared.val_rows)]), "val_rows") > 0
     validation = Validation(prepared) if has_validation else None
     return Trainer(config, model, batches, validation, world)
+
+
+class Job:
+    """One training run as every rank sees it: the epochs, rank 0's records and the results.
+
+    A plain run starts once and runs its epochs. Under --elastic the same steps run inside
+    Horovod's elastic loop, again each time ranks come or go, from the state all ranks just
+    took from rank 0: `capture`, `apply` and `sync` are what that loop keeps and shares.
+    """
+
+    def __init__(self, config: TrainConfig, prepared: Prepared, trainer: Trainer) -> None:
+        self.config, self.prepared, self.trainer = config, prepared, trainer
+        self.records: Records | None = None
+        self.saved_epoch: int | None = None  # the epoch checkpoint.pt holds, once written
+        self.started = False  # the output is checked and the run's first records written
+        self.first_step_unix = 0.0  # launch to here is the start-up cost (ranks.json)
+
+    def start(self, world: dist.World, resumed: dict[str, Any] | None) -> None:
+        """Every rank takes rank 0's starting point (`resumed`, if any); rank 0 opens its
+        records."""
+        self.trainer.restore(resumed)
+        self.saved_epoch = self.trainer.state.epoch if resumed else None
+        self.started = True
+        notes = self.prepared.transform.report.lines()
+        self._write_root(world, partial(self._open_records, world, notes))
+
+    def _open_records(self, world: dist.World, notes: list[str]) -> None:
+        """Rank 0: (re)start its records from the loop's history; rank 0 may be new, and the
+        last commit may be older than the last epoch written."""
+        if self.records is None:
+            self.records = Records(self.config, world.size, world.controller)
+        self.records.world_size = world.size
+        self.records.start(notes, self.trainer.state.history)
+
+    def _write_root(self, world: dist.World, write: Callable[[], None]) -> None:
+        written_by_root(world, write, self.config.output, self.saved_epoch)
+
+    def run(
+        self,
+        world: dist.World,
+        after_step: Callable[[], None] | None = None,
+        after_epoch: Callable[[], None] | None = None,
+    ) -> None:
+        """The epochs left, then the results."""
+        trainer, config = self.trainer, self.config
+        self.first_step_unix = self.first_step_unix or time.time()
+        while not trainer.done():
+            epoch = trainer.state.epoch + 1
+            records = self.records
+            progress = records.progress(epoch, len(trainer.batches)) if records else None
+            metrics = trainer.run_epoch(progress, after_step)
+            if progress:
+                progress.close()
+            check_finite(metrics, config, self.saved_epoch)
+            save = trainer.done() or metrics.epoch % config.checkpoint_every == 0
+            saving = trainer if save else None
+            self._write_root(
+                world, partial(write_epoch, records, metrics, saving, self.prepared.transform)
+            )
+            if save:
+                self.saved_epoch = metrics.epoch
+            if after_epoch:
+                after_epoch()
+        self._finish(world)
+
+    def _finish(self, world: dist.World) -> None:
+        trainer, model, transform = self.trainer, self.trainer.model, self.prepared.transform
+        reports = dist.gather(
+            {
+                "rank": world.rank,
+                "local_rank": world.local_rank,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "threads": world.threads,
+                "controller": world.controller,
+                "shard_rows": len(trainer.batches.sampler),
+                "epochs_run": trainer.state.epoch,
+                "first_step_unix": round(self.first_step_unix, 3),
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "param_sha256": parameter_digest(model),
+            },
+            name="rank_reports",
+        )
+
+        def write_results() -> None:
+            records = self.records
+            records.ranks(reports)
+            records.features(transform.to_dict())
+            checkpoint.save(
+                exported(self.config, model, transform), self.config.output / checkpoint.MODEL
+            )
+            records.summary(trainer.state)
+
+        self._write_root(world, write_results)
+
+    # --elastic
+
+    def capture(self) -> dict[str, Any]:
+        return {**self.trainer.snapshot(), "job": (self.started, self.saved_epoch)}
+
+    def apply(self, saved: dict[str, Any]) -> None:
+        self.trainer.load(saved)
+        self.started, self.saved_epoch = saved["job"]
+
+    def sync(self) -> None:
+        self.trainer.sync()
+        job = dist.broadcast_object((self.started, self.saved_epoch), "job_state")
+        self.started, self.saved_epoch = job
+
+    def run_elastic(self, state: dist.ElasticState) -> None:
+        """One pass of the elastic loop, on the ranks there are now."""
+        world = dist.elastic_world(self.config.threads)
+        before = self.trainer.world_size
+        self.trainer.resize(world)
+        if not self.started:
+            self.start(world, checked_output(self.config, world))
+            state.commit()
+        else:
+            self._write_root(world, partial(self._going_on, world, before))
+        trainer, every = self.trainer, self.config.commit_every
+
+        def after_step() -> None:
+            if trainer.state.step % every == 0:
+                state.commit()
+
+        self.run(world, after_step, state.commit)
+
+    def _going_on(self, world: dist.World, before: int) -> None:
+        """Rank 0 says how the job goes on after ranks came or went."""
+        self._open_records(world, [])
+        loop = self.trainer.state
+        say(
+            f"hvd-cpu: {before} -> {world.size} ranks; going on from the last commit "
+            f"(epoch {loop.epoch + 1}, step {loop.step}, {loop.epoch_rows} rows into it)",
+            sys.stderr,
+        )
 
 
 def train(config: TrainConfig, comm: Any = None) -> TrainResult:
     """Train as configured; call on every rank of the job (a plain process is a job of one,
     the processes of `comm`, an mpi4py communicator, are one job over MPI)."""
+    if config.elastic and not dist.elastic_launched():
+        raise InputError(
+            "--elastic needs horovodrun's elastic mode: start it with launch/elastic.sh (or "
+            "horovodrun --gloo --min-np N --host-discovery-script FILE), or leave out --elastic"
+        )
     world = dist.init(config.threads, comm, config.horovod_steps)
     prepared = prepare(config, world)
-    model = prepared.model
-    trainer = build_trainer(config, world, prepared, model)
-    trainer.restore(prepared.resumed)
-
-    records = Records(config, world.size, world.controller) if world.is_root else None
-    saved_epoch = trainer.state.epoch if prepared.resumed else None
-    # Every write of rank 0 ends with all ranks agreeing it worked, so every epoch also starts
-    # on all ranks together (rank 0's writing is not counted as the others' waiting).
-    notes = prepared.transform.report.lines()
-    written_by_root(
-        world, lambda: records.start(notes, trainer.state.history), config.output, saved_epoch
-    )
-    first_step_unix = time.time()  # launch to here is the start-up cost (ranks.json)
-    while not trainer.done():
-        epoch = trainer.state.epoch + 1
-        progress = records.progress(epoch, len(trainer.batches)) if records else None
-        metrics = trainer.run_epoch(progress)
-        if progress:
-            progress.close()
-        check_finite(metrics, config, saved_epoch)
-        save = trainer.done() or metrics.epoch % config.checkpoint_every == 0
-        saving = trainer if save else None
-        write = partial(write_epoch, records, metrics, saving, prepared.transform)
-        written_by_root(world, write, config.output, saved_epoch)
-        if save:
-            saved_epoch = metrics.epoch
-
-    reports = dist.gather(
-        {
-            "rank": world.rank,
-            "local_rank": world.local_rank,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "threads": world.threads,
-            "controller": world.controller,
-            "shard_rows": len(trainer.batches.sampler),
-            "epochs_run": trainer.state.epoch,
-            "first_step_unix": round(first_step_unix, 3),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            "param_sha256": parameter_digest(model),
-        },
-        name="rank_reports",
-    )
-
-    def write_results() -> None:
-        records.ranks(reports)
-        records.features(prepared.transform.to_dict())
-        checkpoint.save(
-            exported(config, model, prepared.transform), config.output / checkpoint.MODEL
-        )
-        records.summary(trainer.state)
-
-    written_by_root(world, write_results, config.output, saved_epoch)
-    return TrainResult(model, prepared.transform, trainer.state.history)
+    trainer = build_trainer(config, world, prepared, prepared.model)
+    job = Job(config, prepared, trainer)
+    if config.elastic:
+        state = dist.ElasticState(job.capture, job.apply, job.sync)
+        try:
+            dist.run_elastic(state, partial(job.run_elastic, state), config.max_restarts)
+        except RunFailed as failed:
+            kept = f"{config.output / checkpoint.CHECKPOINT} holds epoch {job.saved_epoch}"
+            raise RunFailed(
+                f"{failed}; {kept if job.saved_epoch else 'no checkpoint was written'}: find "
+                "what ends the ranks, then run again with --resume (or raise --max-restarts)"
+            ) from failed
+    else:
+        job.start(world, prepared.resumed)
+        job.run(world)
+    return TrainResult(trainer.model, prepared.transform, trainer.state.history)

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,3 +118,56 @@ def messy_frame(rows: int = 400, seed: int = 0) -> pd.DataFrame:
             "target": target,
         }
     )
+
+
+class LiveJob:
+    """A job whose output is read while it runs, each line with the time it came."""
+
+    def __init__(self, command: list[str], env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})}
+        self.process = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> float:
+        """When a line matching `pattern` came; fails if the job ends or time runs out first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for at, line in list(self.lines):
+                if re.search(pattern, line):
+                    return at
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"no line matching {pattern!r} in {timeout} s; {self.summary()}")
+            time.sleep(0.05)
+
+    def summary(self) -> str:
+        """hvd-cpu's and the launcher's own lines, then the last few of everything."""
+        start = self.lines[0][0] if self.lines else 0.0
+        timed = [f"{at - start:6.1f} s  {line}" for at, line in self.lines]
+        ours = [t for t in timed if re.search(r"hvd-cpu|Epoch|Process|error", t)]
+        return "the job printed:\n" + "\n".join([*ours, "...", *timed[-15:]])
+
+    def finish(self, timeout: float) -> int:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the job did not end within {timeout} s; {self.summary()}")
+        self._reader.join(10)
+        return self.process.returncode
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from hvd_cpu.data.features import Arrays
-from hvd_cpu.data.loader import LocalShardSampler, ShardedBatches, global_sampler
+from hvd_cpu.data.loader import (
+    LocalShardSampler,
+    ResumableSampler,
+    ShardedBatches,
+    global_sampler,
+)
 
 
 def make_arrays(rows: int, features: int = 3) -> Arrays:
@@ -82,3 +87,31 @@ def test_a_local_shard_is_shuffled_within_and_padded_to_the_longest(shuffle: boo
     assert (first[:10] == list(range(10))) != shuffle
     sampler.set_epoch(2)
     assert (list(sampler) != first) == shuffle
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_a_resumable_sampler_from_the_start_is_a_distributed_sampler(size: int) -> None:
+    for rank in range(size):
+        resumable = ResumableSampler(50, rank, size, shuffle=True, seed=4)
+        distributed = global_sampler(50, rank, size, shuffle=True, seed=4)
+        resumable.set_epoch(3)
+        distributed.set_epoch(3)
+        assert list(resumable) == list(distributed)
+        assert len(resumable) == len(distributed)
+
+
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 3), (3, 1)])
+def test_ranks_that_change_mid_epoch_neither_drop_nor_repeat_rows(before: int, after: int):
+    rows, batch, steps = 120, 5, 4  # 4 steps at `before` ranks, then the rest at `after`
+    samplers = [ResumableSampler(rows, r, before, shuffle=True, seed=1) for r in range(before)]
+    done = [i for s in samplers for i in list(s)[: steps * batch]]
+    skip = steps * batch * before
+    rest = []
+    for rank in range(after):
+        sampler = samplers[0]
+        sampler.reshard(rank, after)
+        sampler.skip = skip
+        rest += list(sampler)
+    assert len(rest) == -(-(rows - skip) // after) * after  # padded to equal shards, as before
+    assert not set(done) & set(rest)
+    assert sorted(set(done) | set(rest)) == list(range(rows))

@@ -30,6 +30,37 @@ def global_sampler(rows: int, rank: int, size: int, shuffle: bool, seed: int) ->
     return DistributedSampler(range(rows), num_replicas=size, rank=rank, shuffle=shuffle, seed=seed)
 
 
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that goes on mid-epoch with another number of ranks (--elastic).
+
+    Rank r takes every size-th row of the epoch's order, so after k steps of b rows the ranks
+    together have trained exactly the first k x b x size rows of it. `skip` says how many;
+    the rest are shared out among however many ranks there are now, so within an epoch no
+    row is dropped or trained twice. With skip 0 the shards are DistributedSampler's.
+    """
+
+    def __init__(self, rows: int, rank: int, size: int, shuffle: bool, seed: int) -> None:
+        super().__init__(range(rows), num_replicas=size, rank=rank, shuffle=shuffle, seed=seed)
+        self.skip = 0
+
+    def reshard(self, rank: int, size: int) -> None:
+        self.rank, self.num_replicas = rank, size
+
+    def __len__(self) -> int:
+        return -(-max(len(self.dataset) - self.skip, 0) // self.num_replicas)
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=generator)
+        else:
+            order = torch.arange(len(self.dataset))
+        remaining = order[self.skip :]
+        total = len(self) * self.num_replicas  # padded, as DistributedSampler pads
+        padded = remaining.repeat(-(-total // max(len(remaining), 1)))[:total]
+        return iter(padded[self.rank :: self.num_replicas].tolist())
+
+
 class LocalShardSampler:
     """Each rank holds only its own rows (--shard-read): shuffle within them, and repeat some
     to reach `length`, the longest shard, so that every rank takes the same number of steps."""
