@@ -408,6 +408,8 @@ class Job:
         self.records.start(notes, self.trainer.state.history)
 
     def _write_root(self, world: dist.World, write: Callable[[], None]) -> None:
+        """Rank 0 writes and every rank agrees it worked, so every epoch also starts on all
+        ranks together (rank 0's writing is not counted as the others' waiting)."""
         written_by_root(world, write, self.config.output, self.saved_epoch)
 
     def run(
