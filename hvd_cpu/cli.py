@@ -510,6 +510,13 @@ def main() -> None:
         if not isinstance(exc, dist.PeerLost):
             raise
         # Every surviving rank sees this, so each says it once, in one line, with its rank.
-        rank, reason = launch_rank(), " ".join(str(exc).split())
-        click.echo(f"hvd-cpu: rank {rank}: lost another rank of the job ({reason})", err=True)
+        reason = " ".join(str(exc).split())
+        if reason.startswith("Horovod has been shut down"):  # generic: says only "see above"
+            reason = "killed, crashed, or its host went away"
+        click.echo(
+            f"hvd-cpu: rank {launch_rank()}: lost another rank of the job ({reason}); run the "
+            "same command with --resume to go on from the last checkpoint, or train with "
+            "--elastic to go on without it (docs/elastic.md)",
+            err=True,
+        )
         exit_now(1)

@@ -14,6 +14,7 @@ import threading
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _quiet = False  # exit_quietly_on_signals has run
+_ending = False  # exit_now has begun: a signal from now on changes nothing
 
 
 def launch_rank_known() -> bool:
@@ -30,12 +31,14 @@ def launch_rank() -> int:
 
 
 def exit_quietly_on_signals() -> None:
-    """End this process at once, with status 128 + signal, on SIGTERM or SIGINT.
+    """End this process at once, with status 128 + signal, on SIGTERM or SIGINT; rank 0 (or
+    a process nobody launched) says so in one line, the other ranks say nothing.
 
-    horovodrun stops the remaining ranks with SIGTERM when one rank fails. Dying by the
-    signal makes each rank's shell print "Terminated", and a Python handler would wait while
-    the main thread is blocked in a collective. Instead the C-level handler writes the signal
-    number to a pipe (whichever thread the kernel picked), and a thread waiting on it exits.
+    horovodrun stops its ranks with SIGTERM when one rank fails, and when it gets Ctrl-C or
+    SIGTERM itself. Dying by the signal makes each rank's shell print "Terminated", and a
+    Python handler would wait while the main thread is blocked in a collective. Instead the
+    C-level handler writes the signal number to a pipe (whichever thread the kernel picked),
+    and a thread waiting on it exits.
     """
     global _quiet
     if _quiet:
@@ -50,6 +53,12 @@ def exit_quietly_on_signals() -> None:
     def exit_on_signal() -> None:
         while (signum := os.read(read_end, 1)[0]) not in (signal.SIGTERM, signal.SIGINT):
             pass
+        if _ending:
+            return  # the main thread is already ending the process, with its own line and code
+        if launch_rank() == 0:
+            who = "rank 0: " if launch_rank_known() else ""
+            # One write: Open MPI's --tag-output would tag print()'s separate newline alone.
+            sys.stderr.write(f"hvd-cpu: {who}stopped by {signal.Signals(signum).name}\n")
         exit_now(128 + signum)
 
     threading.Thread(target=exit_on_signal, name="exit-on-signal", daemon=True).start()
@@ -61,6 +70,8 @@ def exit_now(code: int) -> None:
     Teardown waits on peers that may be gone and restores the default signal handlers, so a
     rank that is still tearing down when horovodrun sends SIGTERM dies noisily by the signal.
     """
+    global _ending
+    _ending = True
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
