@@ -15,6 +15,7 @@ import pandas as pd
 
 from hvd_cpu import dist
 from hvd_cpu.config import TrainConfig
+from hvd_cpu.errors import InputError
 from hvd_cpu.lifecycle import launch_rank
 from hvd_cpu.train import TrainResult, train
 
@@ -45,6 +46,13 @@ def fit(
     process of `comm` calls fit and trains as one rank of it (np, hosts and controller unused).
     Raises InputError for bad input, with the same message the command line prints.
     """
+    if not isinstance(data, (pd.DataFrame, str, Path)):
+        raise InputError(
+            f"data is a {type(data).__name__}; pass a pandas DataFrame or the path of a frame "
+            "file (a Series: series.to_frame(), an array: pd.DataFrame(array))"
+        )
+    if comm is None and np < 1:
+        raise InputError(f"np must be at least 1, got {np}")
     targets = (target,) if isinstance(target, str) else tuple(target)
     config = TrainConfig(targets=targets, **options)
     with tempfile.TemporaryDirectory(prefix="hvd-cpu-fit-") as folder:

@@ -26,7 +26,7 @@ import torch
 
 from hvd_cpu import dist
 from hvd_cpu.config import CONTROLLER_NAMES, TrainConfig, steps_use_horovod
-from hvd_cpu.errors import InputError
+from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.prepare import prepare
 from hvd_cpu.train import build_trainer
 
@@ -377,7 +377,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def write(report: dict[str, Any], output: Path) -> None:
-    """bench.json and bench.png in `output`."""
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, output / "bench.png")
+    """bench.json and bench.png in `output`; a failed write after the measurements (a full
+    disk) is one line, as in training."""
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot(report, output / "bench.png")
+    except OSError as exc:
+        raise RunFailed(
+            f"could not write to {output}: {exc.strerror or exc}; free space (or choose another "
+            "--output) and run the bench again"
+        ) from exc

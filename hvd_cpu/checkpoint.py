@@ -66,10 +66,11 @@ def save(obj: dict[str, Any], path: Path) -> None:
         raise
 
 
-def load(path: Path, what: str) -> dict[str, Any]:
-    """torch.load without code execution; a missing or damaged file is the user's to fix."""
+def load(path: Path, what: str, fix: str = "check the path") -> dict[str, Any]:
+    """torch.load without code execution; a missing or damaged file is the user's to fix
+    (`fix` says how, when it is missing)."""
     if not path.is_file():
-        raise InputError(f"no {what} at {path}")
+        raise InputError(f"no {what} at {path}; {fix}")
     try:
         return torch.load(path, weights_only=True)
     except Exception as exc:
@@ -80,12 +81,17 @@ def load(path: Path, what: str) -> dict[str, Any]:
 
 
 CHECKPOINT_KEYS = ("model", "optimizer", "loop", "features", "config")
+MODEL_KEYS = ("format", "state_dict", "features", "architecture")
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """checkpoint.pt for --resume: a file that loads but is not one (a model.pt, a tensor,
     another program's pickle) is refused here in one line, not half-used."""
-    state = load(path, "checkpoint to resume")
+    state = load(
+        path,
+        "checkpoint to resume",
+        "leave out --resume to start a new run, or pass the --output of the run to continue",
+    )
     if not isinstance(state, dict) or any(key not in state for key in CHECKPOINT_KEYS):
         raise InputError(
             f"{path} is not a checkpoint written by hvd-cpu train; resume from the output "
@@ -98,7 +104,16 @@ def load_model_file(path: Path) -> dict[str, Any]:
     """The exported model: `path` is model.pt or the training's output folder."""
     if path.is_dir():
         path = path / MODEL
-    artifact = load(path, "trained model")
-    if not isinstance(artifact, dict) or artifact.get("format") != MODEL_FORMAT:
-        raise InputError(f"{path} is not a model exported by hvd-cpu train")
+    artifact = load(
+        path, "trained model", "pass --model the --output folder of hvd-cpu train, or its model.pt"
+    )
+    if (
+        not isinstance(artifact, dict)
+        or artifact.get("format") != MODEL_FORMAT
+        or any(key not in artifact for key in MODEL_KEYS)
+    ):
+        raise InputError(
+            f"{path} is not a model exported by hvd-cpu train; pass --model the --output "
+            "folder of hvd-cpu train, or its model.pt"
+        )
     return artifact

@@ -7,6 +7,7 @@ only, as one line, with exit code 2: N copies of a usage message help nobody.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -14,8 +15,11 @@ from typing import NoReturn
 import click
 
 from hvd_cpu import __version__
+from hvd_cpu.config import SEED_MAX
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.lifecycle import exit_now, exit_quietly_on_signals, launch_rank, launch_rank_known
+
+STRAGGLERS_SECONDS = 1.0
 
 
 def _fail(show: Callable[[], None], code: int, together: bool = False) -> NoReturn:
@@ -35,6 +39,10 @@ def _fail(show: Callable[[], None], code: int, together: bool = False) -> NoRetu
         dist.leave_together()
     if not launch_rank_known():
         sys.exit(code)
+    if launch_rank() == 0 and not together:
+        # The others meet the same error alone and exit 0; give any still starting Python the
+        # time to, before this exit makes the launcher stop them ("Terminated").
+        time.sleep(STRAGGLERS_SECONDS)
     exit_now(code if launch_rank() == 0 else 0)
 
 
@@ -188,7 +196,7 @@ _data_and_model_options = _stacked(
     show_default=True,
     help="Reshuffle the rows every epoch.",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, SEED_MAX), default=0, show_default=True)
 @click.option(
     "--threads",
     type=click.IntRange(min=1),
@@ -414,9 +422,10 @@ def bench(
     output = Path(str(options["output"])).absolute()
     if (output / "bench.json").exists() and not overwrite:
         raise InputError(f"{output} holds an earlier bench; pass --overwrite or another --output")
+    if not batch_sizes:
+        raise InputError("--batch-size names no size; give at least one (e.g. 64,1024)")
     if not options["data"]:
         options["data"] = output / "demo.parquet"
-        output.mkdir(parents=True, exist_ok=True)
         write_frame(make_demo_frame(rows, DEMO_FEATURES, 0), options["data"])
     cores = dist.usable_cores()
     train_config = TrainConfig(
@@ -472,7 +481,7 @@ def doctor(
 @click.argument("path", type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--rows", type=click.IntRange(min=1), default=100_000, show_default=True)
 @click.option("--features", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, SEED_MAX), default=0, show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace PATH if it exists.")
 def make_demo_data(path: Path, rows: int, features: int, seed: int, overwrite: bool) -> None:
     """Write a synthetic frame: float features x0.. and a `target` column that is a linear
@@ -500,7 +509,11 @@ def main() -> None:
     except click.Abort:
         sys.exit(130)
     except click.ClickException as exc:
-        _fail(exc.show, exc.exit_code)
+        # One line, as for any bad input: click's usage block and hint would be three.
+        usage = getattr(exc, "ctx", None)
+        hint = f" (see {usage.command_path} --help)" if usage else ""
+        message = f"hvd-cpu: error: {' '.join(exc.format_message().split())}{hint}"
+        _fail(lambda: click.echo(message, err=True), exc.exit_code)
     except (InputError, RunFailed) as exc:
         message = f"hvd-cpu: error: {' '.join(str(exc).split())}"
         _fail(lambda: click.echo(message, err=True), exc.exit_code, together=True)

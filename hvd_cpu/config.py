@@ -13,6 +13,8 @@ from hvd_cpu.errors import InputError
 # seed's model reaches the noise floor in two epochs and then only jitters).
 DEMO_ROWS = 2048
 DEMO_FEATURES = 16
+# Seeds feed numpy (non-negative) and torch (seed x 1_000_003 + epoch < 2**64).
+SEED_MAX = 2**32 - 1
 # Horovod's two controllers, as the summary and bench name them.
 CONTROLLER_NAMES = {"mpi": "MPI", "gloo": "Gloo"}
 
@@ -21,6 +23,15 @@ def steps_use_horovod(allreduce: str, sync_every: int) -> bool:
     """Whether training steps go through Horovod (its DistributedOptimizer); when none does,
     Horovod's background thread can cycle slowly (dist.IDLE_CYCLE_MS)."""
     return allreduce == "horovod" and sync_every == 1
+
+
+# The options with a fixed set of values (the command line's choices; fit() passes anything).
+CHOICES = {
+    "task": ("regression", "classification"),
+    "activation": ("none", "relu", "gelu"),
+    "allreduce": ("horovod", "direct"),
+    "format": (None, "parquet", "pickle", "feather", "csv"),
+}
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,14 @@ class TrainConfig:
                 raise InputError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_restarts < 0:
             raise InputError(f"max_restarts must be at least 0, got {self.max_restarts}")
+        if not 0 <= self.seed <= SEED_MAX:
+            raise InputError(f"--seed must be between 0 and {SEED_MAX}, got {self.seed}")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise InputError(
+                    f"{name} must be one of {', '.join(map(repr, allowed))}, "
+                    f"got {getattr(self, name)!r}"
+                )
         if self.lr <= 0:
             raise InputError(f"lr must be positive, got {self.lr}")
         if self.threads is not None and self.threads < 1:

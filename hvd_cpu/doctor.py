@@ -51,8 +51,15 @@ def read_hostfile(path: Path) -> list[HostSlots]:
     """`host slots=N` lines (slots=1 if omitted); blank lines and # comments are skipped."""
     if not path.is_file():
         raise InputError(f"host file not found: {path}")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"{path} is not a text file of 'host slots=N' lines; pass the host file you will "
+            "give horovodrun (see launch/hostfile.example)"
+        ) from exc
     hosts = []
-    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+    for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue

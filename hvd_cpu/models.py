@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
+import io
 import itertools
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -54,28 +57,45 @@ def load_model_class(spec: str) -> type[nn.Module]:
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise InputError(f"--model {spec!r} is not MODULE:CLASS or FILE.py:CLASS")
+    if where.endswith(".py") and not Path(where).is_file():
+        raise InputError(f"--model file not found: {where}; check the path on every host")
+    # What the module prints while it imports is held back: when the import fails, each rank
+    # would print it, and the error is what the user needs to see.
+    out, err = io.StringIO(), io.StringIO()
     try:
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.is_file():
-                raise InputError(f"--model file not found: {path}; check the path on every host")
-            module_spec = importlib.util.spec_from_file_location(f"hvd_cpu_user.{path.stem}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_spec.name] = module
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except InputError:
-        raise
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            module = _import(where)
+    except SystemExit as exc:  # a training script's own argument parsing or exit
+        said = [line for line in (out.getvalue() + err.getvalue()).splitlines() if line.strip()]
+        raise InputError(
+            f"--model {spec!r}: importing {where} ended the program (exit code {exc.code}"
+            + (f": {said[-1].strip()}" if said else "")
+            + "); put the file's own code under `if __name__ == '__main__':` or keep the "
+            "class in a file of its own"
+        ) from exc
     except Exception as exc:  # the user's code can fail in any way while importing
         raise InputError(
             f"--model {spec!r}: cannot import {where}: {type(exc).__name__}: {exc}; "
             "check that it imports on its own (python -c 'import ...') on every host"
         ) from exc
+    sys.stdout.write(out.getvalue())
+    sys.stderr.write(err.getvalue())
     cls = getattr(module, name, None)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise InputError(f"--model {spec!r}: {where} has no torch.nn.Module subclass {name!r}")
     return cls
+
+
+def _import(where: str) -> ModuleType:
+    """The module `where` names: a dotted module path, or a FILE.py."""
+    if not where.endswith(".py"):
+        return importlib.import_module(where)
+    path = Path(where)
+    module_spec = importlib.util.spec_from_file_location(f"hvd_cpu_user.{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module
+    module_spec.loader.exec_module(module)
+    return module
 
 
 def portable_spec(spec: str) -> str:
@@ -85,22 +105,40 @@ def portable_spec(spec: str) -> str:
 
 
 def build_user_model(spec: str, n_features: int, n_outputs: int) -> nn.Module:
-    """Build the user's class as `ClassName(n_features=..., n_outputs=...)` and check that its
-    forward returns one row of n_outputs per input row."""
+    """Build the user's class as `ClassName(n_features=..., n_outputs=...)` and check, before
+    any rank trains, what training needs of it: one row of n_outputs per input row whatever
+    the batch size, and an output that gradients flow back from into parameters."""
     cls = load_model_class(spec)
+    built = f"{cls.__name__}(n_features={n_features}, n_outputs={n_outputs})"
     try:
         model = cls(n_features=n_features, n_outputs=n_outputs)
-        out = model(torch.zeros(2, n_features))
     except Exception as exc:
         raise InputError(
-            f"--model {spec!r}: {cls.__name__}(n_features={n_features}, n_outputs={n_outputs}) "
-            f"failed on a batch of shape (2, {n_features}): {type(exc).__name__}: {exc}"
+            f"--model {spec!r}: {built} failed: {type(exc).__name__}: {exc}; its __init__ "
+            "must take the keyword arguments n_features and n_outputs"
         ) from exc
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, n_outputs):
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if not any(p.requires_grad for p in model.parameters()):
+        raise InputError(f"--model {spec!r}: {built} has no trainable parameters")
+    with torch.enable_grad():
+        for rows in (2, 3):  # two sizes: a forward written for one batch size fails on another
+            try:
+                out = model(torch.zeros(rows, n_features))
+            except Exception as exc:
+                raise InputError(
+                    f"--model {spec!r}: {built} failed on a batch of shape ({rows}, "
+                    f"{n_features}): {type(exc).__name__}: {exc}"
+                ) from exc
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != (rows, n_outputs):
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise InputError(
+                    f"--model {spec!r}: forward returned {got} for a batch of {rows} rows; "
+                    f"expected shape (batch, n_outputs) = ({rows}, {n_outputs})"
+                )
+    if not (out.is_floating_point() and out.requires_grad):
         raise InputError(
-            f"--model {spec!r}: forward returned {got} for a batch of 2 rows; expected shape "
-            f"(batch, n_outputs) = (2, {n_outputs})"
+            f"--model {spec!r}: forward returned {out.dtype} values that no gradient flows "
+            "back from; return floating-point values computed by the model's parameters "
+            "(no .detach(), integer casts or torch.no_grad() in forward)"
         )
     return model
 

@@ -16,8 +16,14 @@ def plot_losses(output: Path) -> Path:
     path = output / "metrics.jsonl"
     if not path.is_file() or not path.read_text().strip():
         raise InputError(f"no metrics in {output}; plot a folder that hvd-cpu train wrote to")
-    history = [json.loads(line) for line in path.read_text().splitlines()]
-    epochs = [h["epoch"] for h in history]
+    try:
+        history = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        epochs = [h["epoch"] for h in history]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise InputError(
+            f"{path} is not metrics written by hvd-cpu train ({type(exc).__name__}: {exc}); "
+            "plot a folder that hvd-cpu train wrote to"
+        ) from exc
     figure = Figure(figsize=(7, 4), dpi=100)
     axes = figure.subplots()
     axes.plot(epochs, [h["train_loss"] for h in history], marker="o", label="training")

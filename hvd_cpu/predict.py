@@ -16,8 +16,8 @@ from torch import nn
 
 from hvd_cpu import dist
 from hvd_cpu.checkpoint import load_model_file
-from hvd_cpu.data.features import FeatureTransform
-from hvd_cpu.data.frames import format_of, read_frame, write_frame
+from hvd_cpu.data.features import FeatureTransform, check_unique_columns
+from hvd_cpu.data.frames import check_writable, format_of, read_frame, write_frame
 from hvd_cpu.errors import InputError
 from hvd_cpu.models import build_model
 from hvd_cpu.prepare import agreed
@@ -37,23 +37,51 @@ class PredictConfig:
     overwrite: bool = False
 
 
-def load(config: PredictConfig) -> tuple[nn.Module, FeatureTransform, pd.DataFrame]:
-    """The model, its transformation and the new rows, with their columns checked."""
+def load(config: PredictConfig, writes: bool) -> tuple[nn.Module, FeatureTransform, pd.DataFrame]:
+    """The model, its transformation and the new rows, with their columns checked; the rank
+    that `writes` the output first checks that it can."""
     format_of(config.output)
     if config.output.exists() and not config.overwrite:
         raise InputError(f"{config.output} exists; pass --overwrite to replace it")
-    artifact = load_model_file(config.model_path)
-    transform = FeatureTransform.from_dict(artifact["features"])
-    model = build_model(**artifact["architecture"])
-    model.load_state_dict(artifact["state_dict"])
+    if writes:
+        check_writable(config.output)
+    model, transform = load_model(config.model_path)
     frame = read_frame(config.data, config.format)
     check_columns(frame, transform, config.id_column)
     return model, transform, frame
 
 
+def load_model(path: Path) -> tuple[nn.Module, FeatureTransform]:
+    """The exported model with its weights. A file that loads but whose parts do not fit
+    together was damaged or written by another version: one line, not a traceback."""
+    artifact = load_model_file(path)
+    try:
+        transform = FeatureTransform.from_dict(artifact["features"])
+        model = build_model(**artifact["architecture"])
+        model.load_state_dict(artifact["state_dict"])
+    except InputError as exc:  # the user's class, as build_model reports it
+        raise InputError(f"{path} needs the class it was trained with: {exc}") from exc
+    except Exception as exc:
+        raise InputError(
+            f"cannot rebuild the model in {path}: {type(exc).__name__}: {exc}; it is damaged "
+            "or was written by another version of hvd-cpu: train it again"
+        ) from exc
+    return model, transform
+
+
+def output_names(transform: FeatureTransform) -> list[str]:
+    """The columns predict writes besides --id."""
+    if transform.task == "classification":
+        return ["prediction", *(f"probability_{label}" for label in transform.classes)]
+    if len(transform.targets) == 1:
+        return ["prediction"]
+    return [f"prediction_{t}" for t in transform.targets]
+
+
 def check_columns(frame: pd.DataFrame, transform: FeatureTransform, id_column: str | None) -> None:
     """The new frame must hold the training's feature columns and nothing it did not know."""
     columns = [str(c) for c in frame.columns]
+    check_unique_columns(columns)
     missing = [c.name for c in transform.inputs if c.name not in columns]
     if missing:
         raise InputError(
@@ -61,7 +89,11 @@ def check_columns(frame: pd.DataFrame, transform: FeatureTransform, id_column: s
             "trained on; add them (missing values are allowed)"
         )
     if id_column is not None and id_column not in columns:
-        raise InputError(f"--id column {id_column!r} is not in the data")
+        raise InputError(f"--id column {id_column!r} is not in the data; check --id")
+    if id_column in output_names(transform):
+        raise InputError(
+            f"--id column {id_column!r} has the name of a prediction column; rename it"
+        )
     known = {c.name for c in transform.inputs} | {*transform.targets, *transform.ignored}
     extra = [c for c in columns if c not in known and c != id_column]
     if extra:
@@ -74,28 +106,28 @@ def check_columns(frame: pd.DataFrame, transform: FeatureTransform, id_column: s
 def predictions(
     model: nn.Module, transform: FeatureTransform, frame: pd.DataFrame, id_column: str | None
 ) -> pd.DataFrame:
-    """One row of predictions per row of `frame`, in order."""
+    """One row of predictions per row of `frame`, in order (none for none: a rank of a job
+    with fewer rows than ranks)."""
     x = torch.from_numpy(transform.features(frame))
     model.eval()
     with torch.no_grad():
-        out = torch.cat([model(chunk) for chunk in x.split(CHUNK)]) if len(x) else torch.zeros(0)
+        out = (
+            torch.cat([model(chunk) for chunk in x.split(CHUNK)])
+            if len(x)
+            else torch.zeros(0, transform.n_outputs)
+        )
+    names = output_names(transform)
     result: dict[str, Any] = {}
     if id_column is not None:
         result[id_column] = frame[id_column].to_numpy()
     if transform.task == "classification":
         probabilities = torch.softmax(out, dim=1).numpy()
-        result["prediction"] = [transform.classes[i] for i in probabilities.argmax(axis=1)]
-        for i, label in enumerate(transform.classes):
-            result[f"probability_{label}"] = probabilities[:, i]
+        result[names[0]] = [transform.classes[i] for i in probabilities.argmax(axis=1)]
+        result.update({name: probabilities[:, i] for i, name in enumerate(names[1:])})
     else:
         values = out.double().numpy()
         for i, scale in enumerate(transform.target_scale):
             values[:, i] = values[:, i] * scale.std + scale.mean
-        names = (
-            ["prediction"]
-            if len(transform.targets) == 1
-            else [f"prediction_{t}" for t in transform.targets]
-        )
         result.update({name: values[:, i] for i, name in enumerate(names)})
     return pd.DataFrame(result, index=frame.index)
 
@@ -103,7 +135,7 @@ def predictions(
 def predict(config: PredictConfig) -> pd.DataFrame | None:
     """Predict on every rank's block of rows; rank 0 writes them all and returns them."""
     world = dist.init()
-    model, transform, frame = agreed(lambda: load(config))
+    model, transform, frame = agreed(lambda: load(config, world.is_root))
     rows = len(frame)
     block = frame.iloc[world.rank * rows // world.size : (world.rank + 1) * rows // world.size]
     # agreed: a value that does not parse may sit in one rank's block only
@@ -111,6 +143,7 @@ def predict(config: PredictConfig) -> pd.DataFrame | None:
     parts = dist.gather(mine, "predictions")
     if not world.is_root:
         return None
-    result = pd.concat(parts).reset_index(drop=True)
+    # Ranks without rows send empty parts, whose column types would change the others'.
+    result = pd.concat([part for part in parts if len(part)]).reset_index(drop=True)
     write_frame(result, config.output)
     return result

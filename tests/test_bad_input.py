@@ -14,6 +14,8 @@ import pandas as pd
 import pytest
 import torch
 
+from hvd_cpu.data.features import OneProcess, Selection, fit
+
 from .conftest import RANK_PREFIX, horovodrun, hvd_cpu
 
 
@@ -37,9 +39,37 @@ class Model(torch.nn.Module):
         return self.layer(x)
 """
 
+RIGHT_SHAPE = WRONG_SHAPE.replace(", 3)", ", n_outputs)")
+NO_PARAMETERS = """
+class Model(torch.nn.Module):
+    def __init__(self, n_features, n_outputs):
+        super().__init__()
+        self.n_outputs = n_outputs
+
+    def forward(self, x):
+        return x[:, : self.n_outputs]
+"""
+
+
+DAYS = {False: "2024-01-01", True: "2024-01-02"}
+
+
+def csv(tmp: Path, text: str) -> list[str]:
+    (tmp / "frame.csv").write_text(text)
+    return ["--data", str(tmp / "frame.csv")]
+
+
 # name -> (arguments after `train`, built in a temporary folder from the demo frame; pattern)
 Case = tuple[Callable[[Path, pd.DataFrame], list[str]], str]
 CASES: dict[str, Case] = {
+    "option out of range": (
+        lambda tmp, demo: ["--batch-size", "0"],
+        r"Invalid value for '--batch-size': 0 is not in the range x>=1\. \(see hvd-cpu train",
+    ),
+    "negative seed": (
+        lambda tmp, demo: ["--seed", "-1"],
+        r"Invalid value for '--seed': -1 is not in the range 0<=x<=4294967295",
+    ),
     "missing file": (
         lambda tmp, demo: ["--data", str(tmp / "absent.parquet")],
         r"data file not found: .*absent\.parquet; check the path",
@@ -95,6 +125,88 @@ CASES: dict[str, Case] = {
         lambda tmp, demo: [*data(demo, tmp), "--model", bad_model(tmp, WRONG_SHAPE)],
         r"--model .*forward returned \(2, 3\) .*expected shape \(batch, n_outputs\) = \(2, 1\)",
     ),
+    # A script with its own argument parsing: every rank printed its usage and exited.
+    "model file that exits on import": (
+        lambda tmp, demo: [
+            *data(demo, tmp),
+            "--model",
+            bad_model(tmp, "import argparse\nargparse.ArgumentParser().parse_args(['--lr'])"),
+        ],
+        r"--model .*ended the program \(exit code 2: .*unrecognized arguments: --lr\); put "
+        r"the file's own code under `if __name__ == '__main__':`",
+    ),
+    "timestamps as classes": (
+        lambda tmp, demo: [
+            *data(demo.assign(target=pd.to_datetime(demo["target"].gt(0).map(DAYS))), tmp),
+            "--task",
+            "classification",
+        ],
+        r"target column 'target' holds datetime64 values, which cannot be class labels",
+    ),
+}
+# Kinds that one process meets as every rank does: cheap to run alone, nothing to agree on.
+PLAIN_CASES: dict[str, Case] = {
+    "a folder as --data": (
+        lambda tmp, demo: ["--data", str(tmp)],
+        r"Invalid value for '--data'.*is a directory",
+    ),
+    "semicolon-separated csv": (
+        lambda tmp, demo: csv(tmp, demo.to_csv(sep=";", index=False)),
+        r"frame\.csv is separated by ';', not by commas; save it with commas",
+    ),
+    "duplicate names in a csv header": (
+        lambda tmp, demo: csv(tmp, "a,a,target\n1,2,3\n4,5,6\n"),
+        r"duplicate column names in the data: a",
+    ),
+    "target in --features": (
+        lambda tmp, demo: [*data(demo, tmp), "--features", "x0,target"],
+        r"target column 'target' is also in --features: .*; leave it out of --features",
+    ),
+    "target in --drop": (
+        lambda tmp, demo: [*data(demo, tmp), "--drop", "target"],
+        r"target column 'target' is also in --drop: .*; leave it out of --drop",
+    ),
+    "target twice": (
+        lambda tmp, demo: [*data(demo, tmp), "--target", "target", "--target", "target"],
+        r"--target 'target' is given more than once",
+    ),
+    "fractional classes": (
+        lambda tmp, demo: [*data(demo, tmp), "--task", "classification"],
+        r"target 'target' holds fractional numbers .*pass --task regression",
+    ),
+    "complex target": (
+        lambda tmp, demo: data(demo.assign(target=demo["target"] + 1j), tmp),
+        r"target column 'target' is not numeric \(complex\d+\)",
+    ),
+    "model constructor takes other arguments": (
+        lambda tmp, demo: [
+            *data(demo, tmp),
+            "--model",
+            bad_model(tmp, WRONG_SHAPE.replace("n_features, n_outputs", "inputs")),
+        ],
+        r"--model .*Model\(n_features=8, n_outputs=1\) failed: TypeError: .*must take the "
+        r"keyword arguments n_features and n_outputs",
+    ),
+    "model without parameters": (
+        lambda tmp, demo: [*data(demo, tmp), "--model", bad_model(tmp, NO_PARAMETERS)],
+        r"--model .*has no trainable parameters",
+    ),
+    "model output without gradient": (
+        lambda tmp, demo: [
+            *data(demo, tmp),
+            "--model",
+            bad_model(tmp, RIGHT_SHAPE.replace("(x)", "(x).long()")),
+        ],
+        r"--model .*forward returned torch\.int64 values that no gradient flows back from",
+    ),
+    "model written for one batch size": (
+        lambda tmp, demo: [
+            *data(demo, tmp),
+            "--model",
+            bad_model(tmp, RIGHT_SHAPE.replace("(x)", "(x)[:2]")),
+        ],
+        r"--model .*forward returned \(2, 1\) for a batch of 3 rows",
+    ),
 }
 # Only a job of several ranks can have fewer rows than ranks.
 RANK_CASES: dict[str, Case] = {
@@ -111,7 +223,7 @@ def _write(path: Path, content: bytes) -> Path:
 
 
 def prepare(tmp_path: Path, demo: Path, case: str) -> tuple[list[str], str, Path]:
-    make_args, pattern = (CASES | RANK_CASES)[case]
+    make_args, pattern = (CASES | PLAIN_CASES | RANK_CASES)[case]
     output = tmp_path / "previous-run"
     output.mkdir()
     (output / "metrics.jsonl").write_text("good results\n")
@@ -124,7 +236,7 @@ def assert_untouched(output: Path) -> None:
     assert (output / "metrics.jsonl").read_text() == "good results\n"
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES | PLAIN_CASES)
 def test_plain_process_prints_one_line_and_exits_2(case: str, demo_parquet: Path, tmp_path: Path):
     args, pattern, output = prepare(tmp_path, demo_parquet, case)
     job = hvd_cpu("train", *args)
@@ -278,3 +390,184 @@ def test_predict_on_values_of_another_type_is_one_line(
     lines = [(rank, text) for rank, text in two.rank_lines() if text.strip()]
     assert len(lines) == 1 and lines[0][0] == 0 and re.search(pattern, lines[0][1]), lines
     assert not (tmp_path / "alone.csv").exists() and not (tmp_path / "two.csv").exists()
+
+
+@pytest.fixture(scope="module")
+def trained(demo_parquet: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder of a one-epoch training on the demo frame, for predict."""
+    output = tmp_path_factory.mktemp("trained")
+    job = hvd_cpu("train", "--data", str(demo_parquet), "--epochs", "1", "--overwrite",
+                  "--output", str(output))  # fmt: skip
+    assert job.returncode == 0, job.stderr
+    return output
+
+
+def damaged(tmp: Path, trained: Path, change: Callable[[dict], None]) -> str:
+    """A copy of the trained model.pt with `change` applied."""
+    artifact = torch.load(trained / "model.pt", weights_only=True)
+    change(artifact)
+    torch.save(artifact, tmp / "model.pt")
+    return str(tmp / "model.pt")
+
+
+# name -> (arguments after `predict` but --output, from a temporary folder, the trained output
+# folder and the demo frame; pattern)
+PredictCase = tuple[Callable[[Path, Path, pd.DataFrame], list[str]], str]
+PREDICT_CASES: dict[str, PredictCase] = {
+    "no model": (
+        lambda tmp, trained, demo: ["--model", str(tmp), *data(demo, tmp)],
+        r"no trained model at .*model\.pt; pass --model the --output folder of hvd-cpu train",
+    ),
+    "model without its parts": (
+        lambda tmp, trained, demo: [
+            "--model",
+            damaged(tmp, trained, lambda a: a.pop("architecture")),
+            *data(demo, tmp),
+        ],
+        r"model\.pt is not a model exported by hvd-cpu train; pass --model",
+    ),
+    "weights that do not fit": (
+        lambda tmp, trained, demo: [
+            "--model",
+            damaged(tmp, trained, lambda a: a.update(state_dict={"x": torch.ones(1)})),
+            *data(demo, tmp),
+        ],
+        r"cannot rebuild the model in .*: RuntimeError: .*; it is damaged or was written by "
+        r"another version of hvd-cpu",
+    ),
+    "missing feature column": (
+        lambda tmp, trained, demo: ["--model", str(trained), *data(demo.drop(columns="x1"), tmp)],
+        r"the data lacks the feature column\(s\) x1 that the model was trained on",
+    ),
+    "unknown column": (
+        lambda tmp, trained, demo: ["--model", str(trained), *data(demo.assign(extra=1), tmp)],
+        r"the data has column\(s\) extra that the model's training data did not have",
+    ),
+    "duplicate columns": (
+        lambda tmp, trained, demo: [
+            "--model",
+            str(trained),
+            *data(pd.concat([demo, demo[["x1"]]], axis=1), tmp),
+        ],
+        r"duplicate column names in the data: x1",
+    ),
+    "complex numbers": (
+        lambda tmp, trained, demo: [
+            "--model",
+            str(trained),
+            *data(demo.assign(x0=demo["x0"] + 1j), tmp),
+        ],
+        r"column 'x0' holds complex numbers but held real numbers in training",
+    ),
+    "--id named like a prediction": (
+        lambda tmp, trained, demo: [
+            "--model",
+            str(trained),
+            *data(demo.assign(prediction=1), tmp),
+            "--id",
+            "prediction",
+        ],
+        r"--id column 'prediction' has the name of a prediction column",
+    ),
+    "output under a file": (
+        lambda tmp, trained, demo: [
+            "--model",
+            str(trained),
+            *data(demo, tmp),
+            "--output",
+            str(_write(tmp / "file", b"good results\n") / "out.csv"),
+        ],
+        r"cannot write .*out\.csv: .*file is a file, not a folder",
+    ),
+}
+
+
+def run_predict(tmp: Path, trained: Path, demo: Path, case: str, np: int) -> tuple[list[str], str]:
+    """Rank 0's lines of `hvd-cpu predict` on a bad input (`np` ranks), and the pattern its
+    one line must match; checks the exit code and that no prediction was written."""
+    make_args, pattern = PREDICT_CASES[case]
+    args = make_args(tmp, trained, pd.read_parquet(demo))
+    if "--output" not in args:
+        args += ["--output", str(tmp / "predictions.csv")]
+    job = hvd_cpu("predict", *args) if np == 1 else horovodrun(np, "predict", *args)
+    assert job.returncode == 2, job.stdout + job.stderr
+    assert "Traceback" not in job.stdout + job.stderr
+    assert not (tmp / "predictions.csv").exists() and not list(tmp.glob("**/out.csv"))
+    if np == 1:
+        assert job.stdout == ""
+        return job.stderr.splitlines(), pattern
+    lines = [(rank, text) for rank, text in job.rank_lines() if text.strip()]
+    assert [rank for rank, _ in lines] == [0], lines
+    return [text for _, text in lines], pattern
+
+
+@pytest.mark.parametrize("case", PREDICT_CASES)
+def test_predict_on_bad_input_is_one_line(
+    case: str, trained: Path, demo_parquet: Path, tmp_path: Path
+) -> None:
+    lines, pattern = run_predict(tmp_path, trained, demo_parquet, case, np=1)
+    assert len(lines) == 1 and lines[0].startswith("hvd-cpu: error: "), lines
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+def test_predict_output_that_rank_0_cannot_write_ends_every_rank(
+    trained: Path, demo_parquet: Path, tmp_path: Path
+) -> None:
+    """Only rank 0 writes, so only rank 0 can find out, before any rank predicts."""
+    lines, pattern = run_predict(tmp_path, trained, demo_parquet, "output under a file", np=2)
+    assert len(lines) == 1 and re.search(pattern, lines[0]), lines
+
+
+def test_predict_with_fewer_rows_than_ranks_is_what_one_process_predicts(
+    trained: Path, demo_parquet: Path, tmp_path: Path
+) -> None:
+    """A rank without rows predicts none, and the output is still the single process's."""
+    args = ["predict", "--model", str(trained), *data(pd.read_parquet(demo_parquet)[:1], tmp_path)]
+    alone = hvd_cpu(*args, "--output", str(tmp_path / "alone.csv"))
+    two = horovodrun(2, *args, "--output", str(tmp_path / "two.csv"))
+    assert alone.returncode == 0 and two.returncode == 0, alone.stderr + two.stdout + two.stderr
+    assert (tmp_path / "two.csv").read_text() == (tmp_path / "alone.csv").read_text()
+    assert len((tmp_path / "two.csv").read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (
+            lambda tmp: ["make-demo-data", str(_write(tmp / "file", b"x") / "frame.parquet")],
+            r"cannot write .*frame\.parquet: .*file is a file, not a folder",
+        ),
+        (
+            lambda tmp: ["doctor", "--hostfile", str(_write(tmp / "hosts", bytes(range(256))))],
+            r"hosts is not a text file of 'host slots=N' lines",
+        ),
+    ],
+    ids=["make-demo-data under a file", "doctor with a binary host file"],
+)
+def test_other_commands_on_bad_input_are_one_line(
+    args: Callable[[Path], list[str]], pattern: str, tmp_path: Path
+) -> None:
+    job = hvd_cpu(*args(tmp_path))
+    assert job.returncode == 2
+    assert len(job.stderr.splitlines()) == 1 and re.search(pattern, job.stderr), job.stderr
+
+
+def test_timestamps_before_1677_are_numbers_too() -> None:
+    """Nanosecond timestamps end in 1677 and 2262; older or later dates are still dates."""
+    frame = pd.DataFrame(
+        {
+            "when": [datetime(1500, 1, 1), datetime(2020, 1, 1), None] * 2,
+            "target": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        }
+    )
+    transform = fit(frame, Selection(), "regression", 32, False, OneProcess())
+    seconds = transform.features(frame)[:, 0] * transform.outputs[0].std + transform.outputs[0].mean
+    assert seconds[:2].tolist() == pytest.approx([-14_831_769_600, 1_577_836_800])
+
+
+def test_infinite_feature_values_are_filled_and_said_so() -> None:
+    """inf is filled with the mean like a missing value, so the note counts it too."""
+    frame = pd.DataFrame({"x": [1.0, float("inf"), None, 4.0], "target": [1.0, 2.0, 3.0, 4.0]})
+    transform = fit(frame, Selection(), "regression", 32, False, OneProcess())
+    assert transform.report.filled == {"x": 2}
+    assert transform.features(frame)[1:3, 0].tolist() == [0.0, 0.0]

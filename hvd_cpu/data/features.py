@@ -8,6 +8,7 @@ is plain data (JSON), saved next to the model and applied again by `predict`.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -24,6 +25,17 @@ Kind = Literal["numeric", "bool", "datetime", "timedelta", "category", "empty"]
 MISSING_LEVEL = "<missing>"
 DATETIME_PARTS = ("year", "month", "day", "day_of_week", "hour")
 NUMBERS = ("integer", "floating", "mixed-integer-float", "decimal", "empty")
+# What a classification target may hold: values that name a class and survive features.json.
+LABELS = (
+    "string",
+    "integer",
+    "floating",
+    "mixed-integer",
+    "mixed-integer-float",
+    "boolean",
+    "categorical",
+    "empty",
+)
 
 
 class Collectives(Protocol):
@@ -86,7 +98,8 @@ class InputColumn:
             yield self.name, _floats(seconds / pd.Timedelta(seconds=1))
         elif self.kind == "datetime":
             stamps = _parsed(partial(pd.to_datetime, utc=True), series, self.name, "timestamps")
-            epoch = pd.Timestamp(0, tz="UTC")
+            # In the column's own unit: a date before 1677 has no nanosecond timestamp.
+            epoch = pd.Timestamp(0, tz="UTC").as_unit(stamps.dt.unit)
             yield self.name, _floats((stamps - epoch) / pd.Timedelta(seconds=1))
             for part in DATETIME_PARTS:
                 yield f"{self.name}.{part}", _floats(getattr(stamps.dt, part))
@@ -232,6 +245,13 @@ def fit(
     target_scale: tuple[OutputColumn, ...] = ()
     if task == "classification":
         classes = _union(collectives, frame[selection.targets[0]].unique().tolist())
+        fractional = [c for c in classes if isinstance(c, float) and not c.is_integer()]
+        if fractional:
+            raise InputError(
+                f"target {selection.targets[0]!r} holds fractional numbers (e.g. "
+                f"{fractional[0]:g}), not class labels; pass --task regression to predict the "
+                "number, or round or bin it into classes"
+            )
         if len(classes) < 2:
             raise InputError(
                 f"target {selection.targets[0]!r} has {len(classes)} class(es); "
@@ -264,7 +284,7 @@ def fit(
             used.add(source)
     if not outputs:
         raise InputError("no usable feature columns: every feature is constant or missing")
-    missing = collectives.sum(np.array([frame[c.name].isna().sum() for c in inputs], np.float64))
+    missing = collectives.sum(np.array([_to_fill(frame[c.name], c) for c in inputs], np.float64))
     report.filled = {
         c.name: int(n) for c, n in zip(inputs, missing, strict=True) if n and c.name in used
     }
@@ -282,15 +302,22 @@ def fit(
     )
 
 
-def _select(frame: pd.DataFrame, selection: Selection) -> list[str]:
-    """The feature column names; every named column must exist and names must be unique."""
-    names = [str(c) for c in frame.columns]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
+def check_unique_columns(names: list[str]) -> None:
+    """Refuse a frame with two columns of one name: which of them a step takes would depend on
+    how it looks the name up."""
+    duplicates = sorted(n for n, count in Counter(names).items() if count > 1)
     if duplicates:
         raise InputError(
             f"duplicate column names in the data: {', '.join(duplicates)}; rename them so each "
             "column has its own name"
         )
+
+
+def _select(frame: pd.DataFrame, selection: Selection) -> list[str]:
+    """The feature column names; every named column must exist, names must be unique, and a
+    target can be neither an input nor left out."""
+    names = [str(c) for c in frame.columns]
+    check_unique_columns(names)
     shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
     for option, wanted in (
         ("--target", selection.targets),
@@ -304,6 +331,18 @@ def _select(frame: pd.DataFrame, selection: Selection) -> list[str]:
                 f"{kind} column {', '.join(map(repr, unknown))} not in the data "
                 f"(columns: {shown}); check {option}"
             )
+    repeated = sorted(n for n, count in Counter(selection.targets).items() if count > 1)
+    if repeated:
+        raise InputError(f"--target {repeated[0]!r} is given more than once; name each target once")
+    for option, named, why in (
+        ("--features", selection.features or (), "a model cannot take what it predicts as input"),
+        ("--drop", selection.drop, "a column cannot be both predicted and left out"),
+    ):
+        both = [t for t in selection.targets if t in named]
+        if both:
+            raise InputError(
+                f"target column {both[0]!r} is also in {option}: {why}; leave it out of {option}"
+            )
     chosen = selection.features if selection.features is not None else names
     features = [n for n in chosen if n not in selection.targets and n not in selection.drop]
     if not features:
@@ -314,18 +353,34 @@ def _select(frame: pd.DataFrame, selection: Selection) -> list[str]:
 def _check_targets(
     frame: pd.DataFrame, targets: tuple[str, ...], task: Task, collectives: Collectives
 ) -> None:
+    """Numbers for regression, labels for classification; decided from the values of every
+    rank, since one rank's rows may look right by chance."""
     if task == "classification":
         if len(targets) != 1:
             raise InputError("classification takes exactly one --target column")
+        name = targets[0]
+        kinds = sorted({k for k in collectives.gather(_infer(frame[name])) if k not in LABELS})
+        if kinds:
+            raise InputError(
+                f"target column {name!r} holds {kinds[0]} values, which cannot be class labels; "
+                f"convert it to text or integers (e.g. frame[{name!r}].astype(str))"
+            )
         return
-    # Decided from the values of every rank: one rank's rows may look numeric by chance.
-    local = [types.is_numeric_dtype(frame[t]) or _infer(frame[t]) in NUMBERS for t in targets]
+    local = [_real_numbers(frame[t]) for t in targets]
     for name, *numeric in zip(targets, *collectives.gather(local), strict=True):
         if not all(numeric):
             raise InputError(
                 f"target column {name!r} is not numeric ({frame[name].dtype}); convert it to "
                 "numbers, or pass --task classification to predict its classes"
             )
+
+
+def _real_numbers(series: pd.Series) -> bool:
+    """Whether a column holds real numbers: pandas counts complex ones as numeric too, and
+    turning them into floats would silently drop their imaginary part."""
+    if types.is_complex_dtype(series.dtype):
+        return False
+    return types.is_numeric_dtype(series.dtype) or _infer(series) in NUMBERS
 
 
 def _infer(series: pd.Series) -> str:
@@ -397,6 +452,14 @@ def _input_column(
     return InputColumn(name, kind, levels)
 
 
+def _to_fill(series: pd.Series, column: InputColumn) -> int:
+    """Values the fit stands in for: missing ones, and infinite numbers, filled alike."""
+    if column.kind == "numeric":
+        _, values = next(column.expand(series))
+        return int(np.isnan(values).sum())
+    return int(series.isna().sum())
+
+
 def _statistics(
     frame: pd.DataFrame, inputs: list[InputColumn], collectives: Collectives
 ) -> dict[str, tuple[str, int, float, float]]:
@@ -436,6 +499,11 @@ def _numbers(series: pd.Series, name: str) -> pd.Series:
         raise InputError(
             f"column {name!r} holds {series.dtype} values but held numbers in training; "
             "convert it to numbers, or train on it as it is"
+        )
+    if types.is_complex_dtype(series):
+        raise InputError(
+            f"column {name!r} holds complex numbers but held real numbers in training; "
+            "convert it to real numbers"
         )
     if types.is_numeric_dtype(series) or types.is_bool_dtype(series):
         return series

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
+import csv
+import errno
 import itertools
 from pathlib import Path
 
@@ -11,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hvd_cpu.checkpoint import atomic_write
-from hvd_cpu.errors import InputError
+from hvd_cpu.data.features import check_unique_columns
+from hvd_cpu.errors import InputError, RunFailed
 
 
 def _read_parquet(path: Path) -> pd.DataFrame:
@@ -36,6 +40,8 @@ WRITERS = {
     "feather": lambda frame, path: frame.to_feather(path),
     "csv": lambda frame, path: frame.to_csv(path, index=False),
 }
+# What else a "CSV" is often separated by (Excel in many locales writes ";").
+SEPARATORS = (";", "\t", "|")
 EXTENSIONS = {
     ".parquet": "parquet",
     ".pq": "parquet",
@@ -77,15 +83,38 @@ def read_frame(path: Path, fmt: str | None = None) -> pd.DataFrame:
     """Read a whole DataFrame file; a missing, unreadable or empty file is the user's to fix."""
     fmt = format_of(path, fmt)
     _check_exists(path)
+    if fmt == "csv":
+        _check_csv_header(path)
     try:
         frame = READERS[fmt](path)
     except Exception as exc:  # any reader failure means the file is not what it claims
         raise _unreadable(path, fmt, exc) from exc
     if not isinstance(frame, pd.DataFrame):
-        raise InputError(f"{path} holds a {type(frame).__name__}, not a DataFrame")
+        raise InputError(
+            f"{path} holds a {type(frame).__name__}, not a pandas DataFrame; save a DataFrame "
+            "to it (a Series: series.to_frame())"
+        )
     if len(frame) == 0:
         raise InputError(f"the data has no rows: {path} is empty")
     return _text_column_names(frame, path)
+
+
+def _check_csv_header(path: Path) -> None:
+    """What pandas' CSV reader would hide: it reads a file separated by anything but commas
+    as one wide column, and renames a repeated column name `a` to `a.1`."""
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as handle:
+            header = handle.readline()
+    except (OSError, UnicodeDecodeError):
+        return  # not text: the reader says why
+    separator = next((s for s in SEPARATORS if s in header), None)
+    if "," not in header and separator is not None:
+        raise InputError(
+            f"{path} is separated by {separator!r}, not by commas; save it with commas "
+            "(frame.to_csv(path, index=False)), or as parquet"
+        )
+    names = next(csv.reader([header]), [])
+    check_unique_columns([name for name in names if name])
 
 
 def _text_column_names(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
@@ -141,7 +170,37 @@ def assign_row_groups(rows: list[int], size: int) -> list[range]:
     return [range(bounds[r], bounds[r + 1]) for r in range(size)]
 
 
+def check_writable(path: Path) -> None:
+    """Before the work, not after it: that `path` can be written, folders made as needed.
+    Folders made only to test this go again, so a run that stops leaves none behind."""
+    made = [folder for folder in path.parents if not folder.exists()]
+    probe = path.parent / f".{path.name}.hvd-cpu-write-test"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise _write_failure(path, exc) from exc
+    finally:
+        for folder in made:  # the deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
 def write_frame(frame: pd.DataFrame, path: Path) -> None:
     """Write a DataFrame in the format its extension names, atomically."""
     writer = WRITERS[format_of(path)]
-    atomic_write(path, lambda handle: writer(frame, handle))
+    try:
+        atomic_write(path, lambda handle: writer(frame, handle))
+    except OSError as exc:
+        raise _write_failure(path, exc) from exc
+
+
+def _write_failure(path: Path, exc: OSError) -> Exception:
+    """A full disk is the machine's fault (exit 1); a path that cannot be written is the
+    user's to change (exit 2)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return RunFailed(f"could not write {path}: {exc.strerror}; free space and run again")
+    blocker = next((folder for folder in path.parents if folder.is_file()), None)
+    why = f"{blocker} is a file, not a folder" if blocker else exc.strerror or str(exc)
+    return InputError(f"cannot write {path}: {why}; choose a path in a folder you can write to")
