@@ -473,11 +473,12 @@ class Job:
     # --elastic
 
     def capture(self) -> dict[str, Any]:
-        return {**self.trainer.snapshot(), "job": (self.started, self.saved_epoch)}
+        # Not saved_epoch: it tells what is on disk, which a rollback does not undo.
+        return {**self.trainer.snapshot(), "started": self.started}
 
     def apply(self, saved: dict[str, Any]) -> None:
         self.trainer.load(saved)
-        self.started, self.saved_epoch = saved["job"]
+        self.started = saved["started"]
 
     def sync(self) -> None:
         self.trainer.sync()
