@@ -30,6 +30,14 @@ def launch_rank() -> int:
     return 0
 
 
+def arrange_ending() -> None:
+    """How a rank's process ends: quietly and at once on a signal, and, when a launcher
+    started it, also when its parent dies (see exit_quietly_on_signals, end_with_parent)."""
+    exit_quietly_on_signals()
+    if launch_rank_known():
+        end_with_parent()
+
+
 def exit_quietly_on_signals() -> None:
     """End this process at once, with status 128 + signal, on SIGTERM or SIGINT; rank 0 (or
     a process nobody launched) says so in one line, the other ranks say nothing.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: no display or GUI backend needed
 
-from hvd_cpu.checkpoint import atomic_write
+from hvd_cpu.atomic import atomic_write
 from hvd_cpu.errors import InputError
 
 

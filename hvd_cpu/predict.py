@@ -15,12 +15,11 @@ import torch
 from torch import nn
 
 from hvd_cpu import dist
-from hvd_cpu.checkpoint import load_model_file
 from hvd_cpu.data.features import FeatureTransform, check_unique_columns
 from hvd_cpu.data.frames import check_writable, format_of, read_frame, write_frame
 from hvd_cpu.errors import InputError
+from hvd_cpu.model_files import ModelFile
 from hvd_cpu.models import build_model
-from hvd_cpu.prepare import agreed
 
 CHUNK = 8192  # rows per forward pass
 
@@ -54,11 +53,11 @@ def load(config: PredictConfig, writes: bool) -> tuple[nn.Module, FeatureTransfo
 def load_model(path: Path) -> tuple[nn.Module, FeatureTransform]:
     """The exported model with its weights. A file that loads but whose parts do not fit
     together was damaged or written by another version: one line, not a traceback."""
-    artifact = load_model_file(path)
+    artifact = ModelFile.load(path)
     try:
-        transform = FeatureTransform.from_dict(artifact["features"])
-        model = build_model(**artifact["architecture"])
-        model.load_state_dict(artifact["state_dict"])
+        transform = FeatureTransform.from_dict(artifact.features)
+        model = build_model(**artifact.architecture)
+        model.load_state_dict(artifact.state_dict)
     except InputError as exc:  # the user's class, as build_model reports it
         raise InputError(f"{path} needs the class it was trained with: {exc}") from exc
     except Exception as exc:
@@ -135,11 +134,11 @@ def predictions(
 def predict(config: PredictConfig) -> pd.DataFrame | None:
     """Predict on every rank's block of rows; rank 0 writes them all and returns them."""
     world = dist.init()
-    model, transform, frame = agreed(lambda: load(config, world.is_root))
+    model, transform, frame = dist.agreed(lambda: load(config, world.is_root))
     rows = len(frame)
     block = frame.iloc[world.rank * rows // world.size : (world.rank + 1) * rows // world.size]
     # agreed: a value that does not parse may sit in one rank's block only
-    mine = agreed(lambda: predictions(model, transform, block, config.id_column))
+    mine = dist.agreed(lambda: predictions(model, transform, block, config.id_column))
     parts = dist.gather(mine, "predictions")
     if not world.is_root:
         return None

@@ -1,24 +1,23 @@
 """Everything before the first step, on every rank: output checks, reading, fitting, encoding,
 splitting off validation rows, building the model.
 
-Each step that can meet bad input runs through `agreed`: if any rank fails, every rank raises
-the same InputError at the same point, so none is left waiting in a collective and rank 0
-reports it once.
+Each step that can meet bad input runs through `dist.agreed`: if any rank fails, every rank
+raises the same InputError at the same point, so none is left waiting in a collective and
+rank 0 reports it once.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 from torch import nn
 
-from hvd_cpu import checkpoint, dist
+from hvd_cpu import dist
 from hvd_cpu.config import DEMO_FEATURES, DEMO_ROWS, TrainConfig
 from hvd_cpu.data.demo import make_demo_frame
 from hvd_cpu.data.features import (
@@ -30,9 +29,8 @@ from hvd_cpu.data.features import (
 )
 from hvd_cpu.data.frames import format_of, read_frame, read_parquet_shard
 from hvd_cpu.errors import InputError
+from hvd_cpu.model_files import CHECKPOINT, Checkpoint
 from hvd_cpu.models import build_model
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -45,24 +43,10 @@ class Prepared:
     val_rows: torch.Tensor  # this rank's validation rows
     train_length: int  # --shard-read: the longest shard's training rows (others pad to it)
     model: nn.Module
-    resumed: dict[str, Any] | None  # rank 0: the checkpoint to continue from
+    resumed: Checkpoint | None  # rank 0: the checkpoint to continue from
 
 
-def agreed(step: Callable[[], T], world: dist.World | None = None) -> T:
-    """Run a step on every rank; bad input on any rank ends every rank here, together.
-    A `world` of one (an elastic rank preparing alone) has nobody to agree with."""
-    if world is not None and world.size == 1:
-        return step()
-    error, value = None, None
-    try:
-        value = step()
-    except InputError as exc:
-        error = str(exc)
-    dist.agree_on_error(error)
-    return value  # type: ignore[return-value]
-
-
-def check_output(config: TrainConfig, world: dist.World) -> dict[str, Any] | None:
+def check_output(config: TrainConfig, world: dist.World) -> Checkpoint | None:
     """Rank 0: refuse to overwrite an earlier run's checkpoint, or load it for --resume."""
     if not world.is_root:
         return None
@@ -83,10 +67,10 @@ def check_output(config: TrainConfig, world: dist.World) -> dict[str, Any] | Non
         for folder in made:  # the deepest first
             with contextlib.suppress(OSError):
                 folder.rmdir()
-    path = config.output / checkpoint.CHECKPOINT
+    path = config.output / CHECKPOINT
     if config.resume:
-        state = checkpoint.load_checkpoint(path)
-        earlier = state["config"]
+        state = Checkpoint.load(path)
+        earlier = state.config
         now = config.to_dict()
         changed = [k for k in TrainConfig.ARCHITECTURE if earlier[k] != now[k]]
         if changed:
@@ -107,12 +91,12 @@ def check_output(config: TrainConfig, world: dist.World) -> dict[str, Any] | Non
 def load_features(config: TrainConfig) -> dict[str, Any]:
     """--elastic --resume: the checkpoint's fitted features, read by each rank itself (so the
     checkpoint must be readable on every host: a shared --output)."""
-    return checkpoint.load_checkpoint(config.output / checkpoint.CHECKPOINT)["features"]
+    return Checkpoint.load(config.output / CHECKPOINT).features
 
 
-def checked_output(config: TrainConfig, world: dist.World) -> dict[str, Any] | None:
+def checked_output(config: TrainConfig, world: dist.World) -> Checkpoint | None:
     """check_output, agreed by every rank (under --elastic, once the ranks are together)."""
-    return agreed(lambda: check_output(config, world), world)
+    return dist.agreed(lambda: check_output(config, world), world)
 
 
 def read_rows(config: TrainConfig, world: dist.World) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -145,13 +129,13 @@ def encode(
 ) -> tuple[FeatureTransform, Arrays]:
     """Read this rank's rows, fit the transformation over all ranks (or take the resumed
     one), and encode the rows. The DataFrame is dropped on return."""
-    frame, part = agreed(lambda: read_rows(config, world), world)
+    frame, part = dist.agreed(lambda: read_rows(config, world), world)
     if fitted is not None:
         transform = FeatureTransform.from_dict(fitted)
     else:
         selection = Selection(config.targets, config.features, config.drop)
         collectives = OneProcess() if world.size == 1 else dist.Collectives()
-        transform = agreed(
+        transform = dist.agreed(
             lambda: fit(
                 part,
                 selection,
@@ -162,7 +146,7 @@ def encode(
             ),
             world,
         )
-    return transform, agreed(lambda: transform.arrays(frame), world)
+    return transform, dist.agreed(lambda: transform.arrays(frame), world)
 
 
 def split(rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,7 +171,7 @@ def prepare(config: TrainConfig, world: dist.World) -> Prepared:
         fitted = load_features(config) if config.resume else None
     else:
         resumed = checked_output(config, world)
-        fitted = dist.broadcast_object(resumed["features"] if resumed else None, "fitted")
+        fitted = dist.broadcast_object(resumed.features if resumed else None, "fitted")
     transform, arrays = encode(config, world, fitted)
 
     if config.shard_read:  # each rank holds its own rows: hold out some of them
@@ -212,5 +196,5 @@ def prepare(config: TrainConfig, world: dist.World) -> Prepared:
             transform.n_outputs,
         )
 
-    model = agreed(build, world)
+    model = dist.agreed(build, world)
     return Prepared(transform, arrays, train_rows, val_rows, max(lengths), model, resumed)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from tqdm import tqdm
 
-from hvd_cpu.checkpoint import atomic_write
+from hvd_cpu.atomic import atomic_write
 from hvd_cpu.config import CONTROLLER_NAMES, TrainConfig
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvd_cpu import checkpoint, dist
+from hvd_cpu import dist
 from hvd_cpu.config import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.data.loader import (
@@ -34,7 +34,8 @@ from hvd_cpu.data.loader import (
 )
 from hvd_cpu.direct_allreduce import FlatGradients
 from hvd_cpu.errors import InputError, RunFailed
-from hvd_cpu.models import parameter_digest, portable_spec
+from hvd_cpu.model_files import CHECKPOINT, MODEL, Checkpoint, ModelFile
+from hvd_cpu.models import parameter_digest
 from hvd_cpu.optim import adam
 from hvd_cpu.prepare import Prepared, checked_output, prepare
 from hvd_cpu.records import EpochMetrics, Progress, Records, say
@@ -69,10 +70,9 @@ class TrainResult:
 class Validation:
     """This rank's held-out rows; `evaluate` averages loss (and accuracy) over all ranks'."""
 
-    def __init__(self, prepared: Prepared) -> None:
-        self.x = torch.from_numpy(prepared.arrays.x)
-        self.y = torch.from_numpy(prepared.arrays.y)
-        self.held_out = self.rows = prepared.val_rows
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> None:
+        self.x, self.y = x, y  # all of this rank's encoded rows; `rows` picks the held-out ones
+        self.held_out = self.rows = rows
 
     def reshard(self, rank: int, size: int) -> None:
         """--elastic: every rank holds all held-out rows and evaluates its share of them."""
@@ -265,29 +265,27 @@ class Trainer:
             "loop": asdict(self.state),
         }
 
-    def checkpoint(self, transform: FeatureTransform) -> dict[str, Any]:
-        """Everything --resume needs, as plain containers and tensors."""
-        return {
-            **self.snapshot(),
-            "features": transform.to_dict(),
-            "config": self.config.to_dict(),
-        }
+    def checkpoint(self, transform: FeatureTransform) -> Checkpoint:
+        """Everything --resume needs."""
+        return Checkpoint(
+            **self.snapshot(), features=transform.to_dict(), config=self.config.to_dict()
+        )
 
-    def load(self, saved: dict[str, Any]) -> None:
-        """Take a snapshot (or checkpoint) on this rank."""
-        self.model.load_state_dict(saved["model"])
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.state = LoopState(**saved["loop"])
+    def load(self, model: dict[str, Any], optimizer: dict[str, Any], loop: dict[str, Any]) -> None:
+        """Take the state of a snapshot (or checkpoint) on this rank."""
+        self.model.load_state_dict(model)
+        self.optimizer.load_state_dict(optimizer)
+        self.state = LoopState(**loop)
 
     def sync(self) -> None:
         """Every rank takes rank 0's state."""
         dist.broadcast_training_state(self.model, self.optimizer)
         self.state = LoopState(**dist.broadcast_object(asdict(self.state), "loop_state"))
 
-    def restore(self, saved: dict[str, Any] | None) -> None:
+    def restore(self, saved: Checkpoint | None) -> None:
         """Rank 0 loads `saved` (if resuming); then every rank takes rank 0's state."""
         if saved is not None:
-            self.load(saved)
+            self.load(saved.model, saved.optimizer, saved.loop)
         self.sync()
 
 
@@ -297,7 +295,7 @@ def write_epoch(
     """Rank 0, after an epoch: its line and metrics, and the checkpoint of `saving`, if any."""
     records.epoch(metrics)
     if saving:
-        checkpoint.save(saving.checkpoint(transform), records.output / checkpoint.CHECKPOINT)
+        saving.checkpoint(transform).save(records.output / CHECKPOINT)
 
 
 def written_by_root(
@@ -310,7 +308,7 @@ def written_by_root(
         try:
             write()
         except OSError as exc:
-            kept = f"checkpoint.pt there holds epoch {saved}" if saved else "no checkpoint was kept"
+            kept = f"{CHECKPOINT} there holds epoch {saved}" if saved else "no checkpoint was kept"
             failure = (
                 f"could not write to {output}: {exc.strerror}; {kept}; "
                 "free space (or choose another --output) and run again with --resume"
@@ -325,7 +323,7 @@ def check_finite(metrics: EpochMetrics, config: TrainConfig, saved_epoch: int | 
     if all(loss is None or math.isfinite(loss) for loss in losses):
         return
     kept = (
-        f"{config.output / checkpoint.CHECKPOINT} holds epoch {saved_epoch}"
+        f"{config.output / CHECKPOINT} holds epoch {saved_epoch}"
         if saved_epoch
         else "no checkpoint of this run was written"
     )
@@ -336,20 +334,21 @@ def check_finite(metrics: EpochMetrics, config: TrainConfig, saved_epoch: int | 
     )
 
 
-def exported(config: TrainConfig, model: nn.Module, transform: FeatureTransform) -> dict[str, Any]:
-    """model.pt: the weights and everything predict needs to rebuild the model and its inputs."""
+def rank_report(world: dist.World, trainer: Trainer, first_step_unix: float) -> dict[str, Any]:
+    """This rank's entry in ranks.json: where it ran, on how much, at what cost, and a digest
+    of its parameters (every rank must end with the same model)."""
     return {
-        "format": checkpoint.MODEL_FORMAT,
-        "state_dict": model.state_dict(),
-        "features": transform.to_dict(),
-        "architecture": {
-            "model": config.model and portable_spec(config.model),
-            "hidden": list(config.hidden),
-            "activation": config.activation,
-            "n_features": transform.n_features,
-            "n_outputs": transform.n_outputs,
-        },
-        "config": config.to_dict(),
+        "rank": world.rank,
+        "local_rank": world.local_rank,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "threads": world.threads,
+        "controller": world.controller,
+        "shard_rows": len(trainer.batches.sampler),
+        "epochs_run": trainer.state.epoch,
+        "first_step_unix": round(first_step_unix, 3),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "param_sha256": parameter_digest(trainer.model),
     }
 
 
@@ -371,7 +370,11 @@ def build_trainer(
         has_validation = len(prepared.val_rows) > 0
     else:
         has_validation = dist.sum_over_ranks(torch.tensor([len(prepared.val_rows)]), "val_rows") > 0
-    validation = Validation(prepared) if has_validation else None
+    validation = None
+    if has_validation:
+        arrays = prepared.arrays
+        x, y = torch.from_numpy(arrays.x), torch.from_numpy(arrays.y)
+        validation = Validation(x, y, prepared.val_rows)
     return Trainer(config, model, batches, validation, world)
 
 
@@ -390,7 +393,7 @@ class Job:
         self.started = False  # the output is checked and the run's first records written
         self.first_step_unix = 0.0  # launch to here is the start-up cost (ranks.json)
 
-    def start(self, world: dist.World, resumed: dict[str, Any] | None) -> None:
+    def start(self, world: dist.World, resumed: Checkpoint | None) -> None:
         """Every rank takes rank 0's starting point (`resumed`, if any); rank 0 opens its
         records."""
         self.trainer.restore(resumed)
@@ -423,8 +426,7 @@ class Job:
         self.first_step_unix = self.first_step_unix or time.time()
         while not trainer.done():
             epoch = trainer.state.epoch + 1
-            records = self.records
-            progress = records.progress(epoch, len(trainer.batches)) if records else None
+            progress = self.records.progress(epoch, len(trainer.batches)) if world.is_root else None
             metrics = trainer.run_epoch(progress, after_step)
             if progress:
                 progress.close()
@@ -432,7 +434,7 @@ class Job:
             save = trainer.done() or metrics.epoch % config.checkpoint_every == 0
             saving = trainer if save else None
             self._write_root(
-                world, partial(write_epoch, records, metrics, saving, self.prepared.transform)
+                world, partial(write_epoch, self.records, metrics, saving, self.prepared.transform)
             )
             if save:
                 self.saved_epoch = metrics.epoch
@@ -442,30 +444,13 @@ class Job:
 
     def _finish(self, world: dist.World) -> None:
         trainer, model, transform = self.trainer, self.trainer.model, self.prepared.transform
-        reports = dist.gather(
-            {
-                "rank": world.rank,
-                "local_rank": world.local_rank,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "threads": world.threads,
-                "controller": world.controller,
-                "shard_rows": len(trainer.batches.sampler),
-                "epochs_run": trainer.state.epoch,
-                "first_step_unix": round(self.first_step_unix, 3),
-                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                "param_sha256": parameter_digest(model),
-            },
-            name="rank_reports",
-        )
+        reports = dist.gather(rank_report(world, trainer, self.first_step_unix), "rank_reports")
 
         def write_results() -> None:
             records = self.records
             records.ranks(reports)
             records.features(transform.to_dict())
-            checkpoint.save(
-                exported(self.config, model, transform), self.config.output / checkpoint.MODEL
-            )
+            ModelFile.export(self.config, model, transform).save(self.config.output / MODEL)
             records.summary(trainer.state)
 
         self._write_root(world, write_results)
@@ -477,7 +462,7 @@ class Job:
         return {**self.trainer.snapshot(), "started": self.started}
 
     def apply(self, saved: dict[str, Any]) -> None:
-        self.trainer.load(saved)
+        self.trainer.load(saved["model"], saved["optimizer"], saved["loop"])
         self.started = saved["started"]
 
     def sync(self) -> None:
@@ -531,7 +516,7 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
         try:
             dist.run_elastic(state, partial(job.run_elastic, state), config.max_restarts)
         except RunFailed as failed:
-            kept = f"{config.output / checkpoint.CHECKPOINT} holds epoch {job.saved_epoch}"
+            kept = f"{config.output / CHECKPOINT} holds epoch {job.saved_epoch}"
             raise RunFailed(
                 f"{failed}; {kept if job.saved_epoch else 'no checkpoint was written'}: find "
                 "what ends the ranks, then run again with --resume (or raise --max-restarts)"

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hvd_cpu.checkpoint import CHECKPOINT, load
+from hvd_cpu.model_files import CHECKPOINT, load
 
 from .conftest import BIN, Run, demo_file, horovodrun
 

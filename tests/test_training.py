@@ -16,7 +16,8 @@ import pandas as pd
 import pytest
 import torch
 
-from hvd_cpu.checkpoint import CHECKPOINT, atomic_write, load
+from hvd_cpu.atomic import atomic_write
+from hvd_cpu.model_files import CHECKPOINT, load
 
 from .conftest import BIN, demo_file, horovodrun, hvd_cpu, run
 
@@ -94,7 +95,7 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path: Path) ->
     script = f"""
         import sys, time
         from pathlib import Path
-        from hvd_cpu.checkpoint import atomic_write
+        from hvd_cpu.atomic import atomic_write
 
         def write(handle):
             handle.write(b"half a checkpoint" * 1000)

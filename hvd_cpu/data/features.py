@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 import pandas as pd
@@ -240,66 +240,91 @@ def fit(
     rows, dropped = collectives.sum(np.array([len(frame), (~valid).sum()], dtype=np.float64))
     frame = frame[valid]
     report = FitReport(rows=int(rows), dropped_rows=int(dropped))
-
     classes: tuple[Any, ...] = ()
     target_scale: tuple[OutputColumn, ...] = ()
     if task == "classification":
-        classes = _union(collectives, frame[selection.targets[0]].unique().tolist())
-        fractional = [c for c in classes if isinstance(c, float) and not c.is_integer()]
-        if fractional:
-            raise InputError(
-                f"target {selection.targets[0]!r} holds fractional numbers (e.g. "
-                f"{fractional[0]:g}), not class labels; pass --task regression to predict the "
-                "number, or round or bin it into classes"
-            )
-        if len(classes) < 2:
-            raise InputError(
-                f"target {selection.targets[0]!r} has {len(classes)} class(es); "
-                "classification needs at least 2"
-            )
+        classes = _classes(frame, selection.targets[0], collectives)
     else:
-        as_columns = [InputColumn(t, "numeric") for t in selection.targets]
-        stats = _statistics(frame, as_columns, collectives)
-        for name, (_, count, mean, std) in stats.items():
-            if count == 0:
-                raise InputError(
-                    f"target column {name!r} is empty: every value is missing or not finite; "
-                    "check --target and the data"
-                )
-            if std == 0:
-                raise InputError(f"target column {name!r} is constant ({mean:g}); nothing to learn")
-        if standardize_target:
-            target_scale = tuple(OutputColumn(n, m, s) for n, (*_, m, s) in stats.items())
+        scale = _target_scale(frame, selection.targets, collectives)
+        target_scale = scale if standardize_target else ()
+    inputs, outputs = _fit_inputs(frame, feature_names, max_categories, report, collectives)
+    chosen = {*feature_names, *selection.targets}
+    ignored = tuple(str(c) for c in frame.columns if str(c) not in chosen)
+    return FeatureTransform(
+        task,
+        selection.targets,
+        inputs,
+        outputs,
+        classes,
+        target_scale,
+        report,
+        ignored,
+    )
 
-    inputs = [_input_column(frame, name, max_categories, collectives) for name in feature_names]
-    stats = _statistics(frame, inputs, collectives)
+
+def _classes(frame: pd.DataFrame, target: str, collectives: Collectives) -> tuple[Any, ...]:
+    """The labels of a classification target over all ranks, in the order of class indices."""
+    classes = _union(collectives, frame[target].unique().tolist())
+    fractional = [c for c in classes if isinstance(c, float) and not c.is_integer()]
+    if fractional:
+        raise InputError(
+            f"target {target!r} holds fractional numbers (e.g. {fractional[0]:g}), not class "
+            "labels; pass --task regression to predict the number, or round or bin it into "
+            "classes"
+        )
+    if len(classes) < 2:
+        raise InputError(
+            f"target {target!r} has {len(classes)} class(es); classification needs at least 2"
+        )
+    return classes
+
+
+def _target_scale(
+    frame: pd.DataFrame, targets: tuple[str, ...], collectives: Collectives
+) -> tuple[OutputColumn, ...]:
+    """Each regression target's mean and std over all ranks (the scale --standardize-target
+    applies); a target that is empty or constant is refused, standardized or not."""
+    stats = _statistics(frame, [InputColumn(t, "numeric") for t in targets], collectives)
+    for name, column in stats.items():
+        if column.count == 0:
+            raise InputError(
+                f"target column {name!r} is empty: every value is missing or not finite; "
+                "check --target and the data"
+            )
+        if column.std == 0:
+            raise InputError(
+                f"target column {name!r} is constant ({column.mean:g}); nothing to learn"
+            )
+    return tuple(OutputColumn(name, c.mean, c.std) for name, c in stats.items())
+
+
+def _fit_inputs(
+    frame: pd.DataFrame,
+    names: list[str],
+    max_categories: int,
+    report: FitReport,
+    collectives: Collectives,
+) -> tuple[tuple[InputColumn, ...], tuple[OutputColumn, ...]]:
+    """(input columns, the output columns they expand to) over all ranks; output columns that
+    are missing or constant everywhere are left out, which `report` records with the values
+    the kept ones fill in."""
+    inputs = [_input_column(frame, name, max_categories, collectives) for name in names]
     outputs, used = [], set()
-    for name, (source, count, mean, std) in stats.items():
-        if count == 0:
+    for name, column in _statistics(frame, inputs, collectives).items():
+        if column.count == 0:
             report.dropped_columns[name] = "entirely missing"
-        elif std == 0:
+        elif column.std == 0:
             report.dropped_columns[name] = "constant"
         else:
-            outputs.append(OutputColumn(name, mean, std))
-            used.add(source)
+            outputs.append(OutputColumn(name, column.mean, column.std))
+            used.add(column.source)
     if not outputs:
         raise InputError("no usable feature columns: every feature is constant or missing")
     missing = collectives.sum(np.array([_to_fill(frame[c.name], c) for c in inputs], np.float64))
     report.filled = {
         c.name: int(n) for c, n in zip(inputs, missing, strict=True) if n and c.name in used
     }
-    chosen = {*feature_names, *selection.targets}
-    ignored = tuple(str(c) for c in frame.columns if str(c) not in chosen)
-    return FeatureTransform(
-        task,
-        selection.targets,
-        tuple(inputs),
-        tuple(outputs),
-        classes,
-        target_scale,
-        report,
-        ignored,
-    )
+    return tuple(inputs), tuple(outputs)
 
 
 def check_unique_columns(names: list[str]) -> None:
@@ -460,11 +485,19 @@ def _to_fill(series: pd.Series, column: InputColumn) -> int:
     return int(series.isna().sum())
 
 
+class ColumnStatistics(NamedTuple):
+    """One output column's statistics over all ranks."""
+
+    source: str  # the input column it was expanded from
+    count: int  # values present (not missing, finite)
+    mean: float
+    std: float  # after filling the missing values with the mean
+
+
 def _statistics(
     frame: pd.DataFrame, inputs: list[InputColumn], collectives: Collectives
-) -> dict[str, tuple[str, int, float, float]]:
-    """Per output column over all ranks: (its input column, values present, mean, std after
-    filling with the mean).
+) -> dict[str, ColumnStatistics]:
+    """The statistics of each output column of `inputs`, by its name.
 
     Two passes (sums, then squared deviations from the global mean) so that the result does
     not depend on how the rows are split between ranks beyond float rounding. Columns are
@@ -487,7 +520,7 @@ def _statistics(
     rows = collectives.sum(np.array([len(frame)], np.float64))[0]
     stds = np.sqrt(squares / rows) if rows else np.zeros_like(squares)
     return {
-        name: (source, int(count), float(mean), float(std))
+        name: ColumnStatistics(source, int(count), float(mean), float(std))
         for (source, name), count, mean, std in zip(names, counts, means, stds, strict=True)
     }
 
