@@ -2,6 +2,7 @@
 
 It launches the ranks itself (Horovod's programmatic launcher, no horovodrun command), runs
 the same training as `hvd-cpu train`, and returns rank 0's model and metrics.
+`hvd_cpu.benchmark(...)` is `hvd-cpu bench`: the command line only parses options for it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from typing import Any
 
 import pandas as pd
 
-from hvd_cpu import dist
-from hvd_cpu.config import TrainConfig
+from hvd_cpu import bench, dist
+from hvd_cpu.config import DEMO_FEATURES, TrainConfig
+from hvd_cpu.cores import usable_cores
+from hvd_cpu.data.demo import make_demo_frame
+from hvd_cpu.data.frames import write_frame
 from hvd_cpu.errors import InputError
-from hvd_cpu.lifecycle import launch_rank
+from hvd_cpu.lifecycle import launch_rank, launch_rank_known
 from hvd_cpu.train import TrainResult, train
 
 
@@ -66,3 +70,57 @@ def fit(
         if comm is not None:
             return train(config, comm=comm)
         return dist.launch(_rank_main, (config,), np=np, hosts=hosts, controller=controller)[0]
+
+
+def benchmark(
+    data: str | Path | None = None,
+    target: str | tuple[str, ...] = "target",
+    processes: tuple[int, ...] = (),
+    batch_sizes: tuple[int, ...] = (64, 1024),
+    sync_intervals: tuple[int, ...] = (1, 8),
+    controllers: tuple[str, ...] = ("mpi", "gloo"),
+    epochs: int = 2,
+    rows: int = 65_536,
+    output: str | Path = "runs/bench",
+    overwrite: bool = False,
+    **options: Any,
+) -> dict[str, Any]:
+    """Measure which process count, controller, threads, per-rank batch and sync interval
+    train `data` (a frame file; None: a demo frame of `rows` rows) fastest here, as
+    `hvd-cpu bench` does, and return the report that OUTPUT/bench.json then holds (its
+    "recommendation" ends with the command line that trains that way).
+
+    Each setting trains `epochs` epochs, the last timed; `processes` () is 1, 2 and one per
+    core; the first of `batch_sizes` is the one you train with. `options` are TrainConfig's
+    fields of the data and model (features=, task=, model=, hidden=, lr=, ...). Run it outside
+    horovodrun: it launches its own jobs. Raises InputError for bad input, with the message
+    the command line prints.
+    """
+    if launch_rank_known():
+        raise InputError("hvd-cpu bench launches its own jobs: run it without horovodrun")
+    output = Path(output).absolute()
+    if (output / "bench.json").exists() and not overwrite:
+        raise InputError(f"{output} holds an earlier bench; pass --overwrite or another --output")
+    if not batch_sizes:
+        raise InputError("--batch-size names no size; give at least one (e.g. 64,1024)")
+    if epochs < 2:
+        raise InputError(f"epochs must be at least 2 (the first is not timed), got {epochs}")
+    if not data:
+        data = output / "demo.parquet"
+        write_frame(make_demo_frame(rows, DEMO_FEATURES, 0), data)
+    cores = usable_cores()
+    targets = (target,) if isinstance(target, str) else tuple(target)
+    settings = {"data": Path(data), "targets": targets, "output": output}
+    # Measured on every row: no hold-out, no epoch lines.
+    settings |= {"batch_size": batch_sizes[0], "val_fraction": 0.0, "quiet": True}
+    config = bench.BenchConfig(
+        train=TrainConfig(**{**options, **settings}),
+        process_counts=tuple(processes) or bench.default_process_counts(cores),
+        batch_sizes=tuple(batch_sizes),
+        sync_intervals=tuple(sync_intervals),
+        cores=cores,
+        controllers=tuple(controllers),
+    )
+    report = bench.run(config, epochs)
+    bench.write(report, output)
+    return report

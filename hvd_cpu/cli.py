@@ -10,12 +10,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
 from hvd_cpu import __version__
 from hvd_cpu.config import SEED_MAX
+from hvd_cpu.data.formats import FORMATS, extensions_text
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.lifecycle import exit_now, exit_quietly_on_signals, launch_rank, launch_rank_known
 
@@ -84,7 +85,7 @@ def _stacked(*decorators: Callable[[Callable[..., None]], Callable[..., None]]) 
 # Options that more than one command takes, with one meaning.
 _format_option = click.option(
     "--format",
-    type=click.Choice(["parquet", "pickle", "feather", "csv"]),
+    type=click.Choice(FORMATS),
     help="Read --data in this format whatever its extension.",
 )
 _lr_option = click.option(
@@ -100,8 +101,7 @@ _data_and_model_options = _stacked(
     click.option(
         "--data",
         type=click.Path(path_type=Path, dir_okay=False),
-        help="DataFrame file: .parquet, .pkl/.pickle, .feather or .csv. "
-        "Default: a generated demo frame.",
+        help=f"DataFrame file: {extensions_text()}. Default: a generated demo frame.",
     ),
     _format_option,
     click.option(
@@ -398,52 +398,16 @@ def plot(output: Path) -> None:
     help="Folder for bench.json and bench.png.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an earlier bench in OUTPUT.")
-def bench(
-    rows: int,
-    processes: tuple[int, ...],
-    batch_sizes: tuple[int, ...],
-    sync_intervals: tuple[int, ...],
-    controllers: tuple[str, ...],
-    epochs: int,
-    overwrite: bool,
-    **options: object,
-) -> None:
+def bench(**options: Any) -> None:
     """Measure which process count, controller (MPI or Gloo), threads, per-rank batch, sync
     interval and gradient allreduce train this data and model fastest here, and print the
     command that runs it; launches the jobs itself (run it without horovodrun)."""
-    from hvd_cpu import bench as benchmark
-    from hvd_cpu import dist
-    from hvd_cpu.config import DEMO_FEATURES, TrainConfig
-    from hvd_cpu.data.demo import make_demo_frame
-    from hvd_cpu.data.frames import write_frame
+    from hvd_cpu.api import benchmark
+    from hvd_cpu.bench import table
 
-    if launch_rank_known():
-        raise InputError("hvd-cpu bench launches its own jobs: run it without horovodrun")
-    output = Path(str(options["output"])).absolute()
-    if (output / "bench.json").exists() and not overwrite:
-        raise InputError(f"{output} holds an earlier bench; pass --overwrite or another --output")
-    if not batch_sizes:
-        raise InputError("--batch-size names no size; give at least one (e.g. 64,1024)")
-    if not options["data"]:
-        options["data"] = output / "demo.parquet"
-        write_frame(make_demo_frame(rows, DEMO_FEATURES, 0), options["data"])
-    cores = dist.usable_cores()
-    train_config = TrainConfig(
-        **{**options, "output": output, "batch_size": batch_sizes[0]},
-        val_fraction=0.0,
-        quiet=True,
-    )
-    config = benchmark.BenchConfig(
-        train=train_config,
-        process_counts=processes or benchmark.default_process_counts(cores),
-        batch_sizes=batch_sizes,
-        sync_intervals=sync_intervals,
-        cores=cores,
-        controllers=controllers,
-    )
-    report = benchmark.run(config, epochs)
-    benchmark.write(report, output)
-    click.echo(benchmark.table(report))
+    report = benchmark(target=options.pop("targets"), **options)
+    output = Path(options["output"]).absolute()
+    click.echo(table(report))
     click.echo(f"wrote {output / 'bench.json'} and {output / 'bench.png'}")
 
 

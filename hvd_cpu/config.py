@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from hvd_cpu.data.formats import FORMATS
 from hvd_cpu.errors import InputError
 
 # The demo frame used when no --data is given: small enough that ten epochs over four ranks
@@ -30,7 +31,7 @@ CHOICES = {
     "task": ("regression", "classification"),
     "activation": ("none", "relu", "gelu"),
     "allreduce": ("horovod", "direct"),
-    "format": (None, "parquet", "pickle", "feather", "csv"),
+    "format": (None, *FORMATS),
 }
 
 

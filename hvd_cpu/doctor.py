@@ -22,8 +22,8 @@ from typing import Any
 
 import psutil
 
-from hvd_cpu.dist import usable_cores
-from hvd_cpu.errors import InputError
+from hvd_cpu.cores import usable_cores
+from hvd_cpu.hostfile import HostSlots, read_hostfile
 
 SSH_TIMEOUT = 20  # seconds for one host's probe, connection included
 # What the first check wants built into Horovod, keyed as in dist.build_info().
@@ -39,41 +39,6 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
-
-
-@dataclass(frozen=True)
-class HostSlots:
-    host: str
-    slots: int
-
-
-def read_hostfile(path: Path) -> list[HostSlots]:
-    """`host slots=N` lines (slots=1 if omitted); blank lines and # comments are skipped."""
-    if not path.is_file():
-        raise InputError(f"host file not found: {path}")
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as exc:
-        raise InputError(
-            f"{path} is not a text file of 'host slots=N' lines; pass the host file you will "
-            "give horovodrun (see launch/hostfile.example)"
-        ) from exc
-    hosts = []
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        host, *rest = line.split()
-        slots = 1
-        for item in rest:
-            key, _, value = item.partition("=")
-            if key != "slots" or not value.isdigit() or int(value) < 1:
-                raise InputError(f"{path}:{number}: expected 'host slots=N', got {raw.strip()!r}")
-            slots = int(value)
-        hosts.append(HostSlots(host, slots))
-    if not hosts:
-        raise InputError(f"{path} lists no hosts")
-    return hosts
 
 
 def probe(data: str | None) -> dict[str, Any]:
@@ -154,6 +119,7 @@ def diagnose(
     hostfile: Path | None, port: int | None, identity: Path | None, data: Path | None
 ) -> list[Check]:
     """The whole checklist, local build first, then each host, then what they must share."""
+    listed = None if hostfile is None else read_hostfile(hostfile)  # bad: before slow probes
     here = probe(str(data) if data else None)
     build = here["horovod"]
     shown = ", ".join(f"{n} {'yes' if build[k] else 'NO'}" for k, n in BUILT.items())
@@ -165,11 +131,11 @@ def diagnose(
             "--gloo)",
         )
     ]  # fmt: skip
-    if hostfile is None:
+    if listed is None:
         hosts = [HostSlots("localhost", here["cores"])]
         answers: dict[str, dict[str, Any] | str] = {"localhost": here}
     else:
-        hosts = read_hostfile(hostfile)
+        hosts = listed
         with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
             futures = {
                 h.host: pool.submit(ssh_probe, h.host, port, identity, str(data) if data else None)

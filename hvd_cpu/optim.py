@@ -6,55 +6,81 @@ Two measured costs, neither of which buys anything on a CPU job that never compi
   every rank at launch (4 ranks on 2 cores wait about 2 s for it).
 - Adam's default (foreach) update takes 0.18 ms per step of the seed's MLP; the fused kernel
   takes 0.08 ms, a third of the whole step at batch 64.
-The updates are the same arithmetic; tests/test_optim.py checks that the result equals stock
-Adam's and that torch._dynamo is never imported.
+Skipping the import relies on how torch wraps Optimizer's methods and Adam.step. Both are
+checked first: if a torch release changes them, `adam` quietly returns stock fused Adam, the
+same updates with the import's cost back. tests/test_optim.py checks that the lean path is
+taken on the installed torch (so such a release fails it), that the result equals stock
+Adam's, and that torch._dynamo is never imported.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.optim.optimizer import Optimizer
 
+# Where torch's `_disable_dynamo` wrapper caches what importing the compiler gives it, on the
+# function it wraps; cached there, the wrapper calls it without the import.
+DYNAMO_CACHE = "__dynamo_disable"
+# The wrappers around Adam.step, by __qualname__, whose work Adam.step below does itself or
+# gets anyway: grad mode (and compiler graph breaks, which import torch._dynamo), and the
+# profiling hooks torch puts around the step of every optimizer class it builds.
+STEP_WRAPPERS = frozenset(
+    {
+        "_use_grad_for_differentiable.<locals>._use_grad",
+        "Optimizer.profile_hook_step.<locals>.wrapper",
+    }
+)
 
-def _skip_dynamo_markers() -> None:
-    """Let Optimizer's methods run without importing torch._dynamo.
 
-    torch wraps them in `_disable_dynamo`, which imports the compiler on the first call and
-    caches its result on the wrapped function as `__dynamo_disable`. Caching the function itself
-    there is what that import would produce when nothing is being compiled.
-    """
-    for method in vars(Optimizer).values():
-        wrapped = getattr(method, "__wrapped__", None)
+def dynamo_markers(optimizer: type = Optimizer) -> list[Callable[..., Any]] | None:
+    """The functions under `optimizer`'s `_disable_dynamo` wrappers, if each such wrapper reads
+    its cache from DYNAMO_CACHE; None if there is none, or one that does not."""
+    found = []
+    for method in vars(optimizer).values():
         code = getattr(method, "__code__", None)
-        if wrapped is not None and code is not None and "_disable_dynamo" in code.co_qualname:
-            setattr(wrapped, "__dynamo_disable", wrapped)
+        if code is None or "_disable_dynamo" not in code.co_qualname:
+            continue
+        wrapped = getattr(method, "__wrapped__", None)
+        if wrapped is None or DYNAMO_CACHE not in code.co_consts:
+            return None
+        found.append(wrapped)
+    return found or None
 
 
-def _plain_adam_step() -> Callable[..., Any] | None:
-    """Adam.step without its wrappers (a profiling hook, and one that imports torch._dynamo to
-    put compiler graph breaks around a no_grad step); None if a future torch has none."""
-    plain = inspect.unwrap(torch.optim.Adam.step)
-    return None if plain is torch.optim.Adam.step else plain
+def plain_step(adam: type = torch.optim.Adam) -> Callable[..., Any] | None:
+    """`adam.step` without its wrappers, if it has some and each is one of STEP_WRAPPERS;
+    None otherwise (skipping a wrapper we do not know could skip what it does)."""
+    step = adam.step
+    while (wrapped := getattr(step, "__wrapped__", None)) is not None:
+        code = getattr(step, "__code__", None)
+        if code is None or code.co_qualname not in STEP_WRAPPERS:
+            return None
+        step = wrapped
+    return None if step is adam.step else step
 
 
-_PLAIN_ADAM_STEP = _plain_adam_step()
+_MARKERS = dynamo_markers()
+_PLAIN_STEP = plain_step()
 
 
 class Adam(torch.optim.Adam):
-    """torch.optim.Adam whose step never imports the compiler."""
+    """torch.optim.Adam whose step never imports the compiler; `adam` builds it only when the
+    checks above found what it relies on."""
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
-        if _PLAIN_ADAM_STEP is None:
-            return super().step(closure)
         with torch.no_grad():  # what the wrapper does when the optimizer is not differentiable
-            return _PLAIN_ADAM_STEP(self, closure)
+            return _PLAIN_STEP(self, closure)
 
 
 def adam(parameters: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Adam:
-    """Adam with the fused CPU kernel (same defaults as torch.optim.Adam otherwise)."""
-    _skip_dynamo_markers()
+    """Adam with the fused CPU kernel (same defaults as torch.optim.Adam otherwise): the lean
+    one above if this torch is wrapped as expected, else stock (only slower to start)."""
+    if _MARKERS is None or _PLAIN_STEP is None:
+        return torch.optim.Adam(parameters, lr=lr, fused=True)
+    for function in _MARKERS:
+        # What importing the compiler would cache there when nothing is being compiled.
+        setattr(function, DYNAMO_CACHE, function)
     return Adam(parameters, lr=lr, fused=True)

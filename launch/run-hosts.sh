@@ -29,15 +29,13 @@ if [[ $controller != gloo && $controller != mpi ]]; then
   exit 2
 fi
 
-# The number of ranks is the sum of the slots (a host without slots= counts 1).
-np=$(awk '{ sub(/#.*/, "") } NF { n = 1; for (i = 2; i <= NF; i++) if ($i ~ /^slots=/) n = substr($i, 7); total += n }
-          END { print total + 0 }' "$hostfile")
-if ((np < 1)); then
-  echo "$hostfile lists no hosts" >&2
-  exit 2
-fi
+# One rank per slot. The file is read by hvd_cpu.hostfile, as by doctor (a bad one ends here
+# with one line, exit 2), and handed to horovodrun as -H: horovodrun's own --hostfile reader
+# fails on comments, blank lines and hosts without slots=.
+np=$(python -m hvd_cpu.hostfile total "$hostfile")
+hosts=$(python -m hvd_cpu.hostfile hosts "$hostfile")
 
-launcher=("--$controller" -np "$np" --hostfile "$hostfile" --start-timeout "${START_TIMEOUT:-30}")
+launcher=("--$controller" -np "$np" -H "$hosts" --start-timeout "${START_TIMEOUT:-30}")
 [[ -n ${SSH_PORT:-} ]] && launcher+=(-p "$SSH_PORT")
 [[ -n ${SSH_KEY:-} ]] && launcher+=(-i "$SSH_KEY")
 [[ -n ${NIC:-} ]] && launcher+=(--network-interface "$NIC")

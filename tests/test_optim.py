@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
+import pytest
 import torch
 
+from hvd_cpu import optim
 from hvd_cpu.optim import adam
 
 from .conftest import REPO
@@ -51,3 +56,61 @@ def test_training_never_imports_the_compiler() -> None:
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
     assert out.stdout.split() == ["False", "1.0"]
+
+
+def test_the_lean_path_is_taken_on_the_installed_torch() -> None:
+    """If a torch release wraps Optimizer or Adam.step differently, adam() falls back to stock
+    Adam quietly (same updates, about 1 s more per rank at start): this fails so someone looks."""
+    assert optim.dynamo_markers() is not None, f"torch {torch.__version__}: see hvd_cpu/optim.py"
+    assert optim.plain_step() is not None, f"torch {torch.__version__}: see hvd_cpu/optim.py"
+    assert type(adam(torch.nn.Linear(2, 1).parameters(), lr=0.1)) is optim.Adam
+
+
+def _disable_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A stand-in for a torch whose wrapper caches the compiler's answer under another name."""
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        return getattr(fn, "__compiled_away", fn)(*args, **kwargs)
+
+    return inner
+
+
+def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A stand-in for a step wrapper optim.py does not know."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class Unwrapped:
+    def zero_grad(self) -> None: ...
+
+    def step(self, closure: Any = None) -> None: ...
+
+
+class OtherWrappers:
+    @_disable_dynamo
+    def zero_grad(self) -> None: ...
+
+    @_timed
+    def step(self, closure: Any = None) -> None: ...
+
+
+@pytest.mark.parametrize("stand_in", [Unwrapped, OtherWrappers])
+def test_the_checks_find_nothing_where_torch_is_wrapped_otherwise(stand_in: type) -> None:
+    assert optim.dynamo_markers(stand_in) is None
+    assert optim.plain_step(stand_in) is None
+
+
+def test_without_the_internals_adam_is_stock_fused_adam(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(optim, "_PLAIN_STEP", optim.plain_step(OtherWrappers))
+    built = adam(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    assert type(built) is torch.optim.Adam and built.defaults["fused"]
+    ours = _train(lambda p: adam(p, lr=0.01))
+    stock = _train(lambda p: torch.optim.Adam(p, lr=0.01, fused=True))
+    for a, b in zip(ours.parameters(), stock.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -13,8 +13,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from hvd_cpu.checkpoint import atomic_write
+from hvd_cpu.atomic import atomic_write
 from hvd_cpu.data.features import check_unique_columns
+from hvd_cpu.data.formats import EXTENSIONS
 from hvd_cpu.errors import InputError, RunFailed
 
 
@@ -27,7 +28,8 @@ def _to_pandas(table: pa.Table) -> pd.DataFrame:
     return table.to_pandas(split_blocks=True, self_destruct=True)
 
 
-# Unpickling runs whatever code the file names: only load pickles you made yourself.
+# Keyed by formats.FORMATS. Unpickling runs whatever code the file names: only load pickles
+# you made yourself.
 READERS = {
     "parquet": _read_parquet,
     "pickle": pd.read_pickle,
@@ -42,14 +44,6 @@ WRITERS = {
 }
 # What else a "CSV" is often separated by (Excel in many locales writes ";").
 SEPARATORS = (";", "\t", "|")
-EXTENSIONS = {
-    ".parquet": "parquet",
-    ".pq": "parquet",
-    ".pkl": "pickle",
-    ".pickle": "pickle",
-    ".feather": "feather",
-    ".csv": "csv",
-}
 
 
 def format_of(path: Path, override: str | None = None) -> str:

@@ -1,0 +1,23 @@
+"""The frame file formats hvd-cpu reads and writes: their names (--format) and extensions.
+
+Apart from frames.py, which reads and writes them, so that the command line can list them in
+its choices and help without importing pandas and pyarrow (seconds, for `hvd-cpu --help`).
+"""
+
+from __future__ import annotations
+
+FORMATS = ("parquet", "pickle", "feather", "csv")
+EXTENSIONS = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".pkl": "pickle",
+    ".pickle": "pickle",
+    ".feather": "feather",
+    ".csv": "csv",
+}
+
+
+def extensions_text() -> str:
+    """The extensions, grouped by format, as help text says them (".parquet/.pq, ... or .csv")."""
+    groups = ["/".join(e for e, f in EXTENSIONS.items() if f == name) for name in FORMATS]
+    return ", ".join(groups[:-1]) + " or " + groups[-1]

@@ -1,0 +1,95 @@
+"""`hvd_cpu.benchmark` is `hvd-cpu bench`: the checks, the demo frame and the configuration
+are the API's, and the command line only hands it its options. Nothing is launched here
+(bench.run is replaced); tests/test_speed.py runs real benches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hvd_cpu import api, bench
+from hvd_cpu.cli import cli
+from hvd_cpu.cores import usable_cores
+from hvd_cpu.errors import InputError
+from hvd_cpu.lifecycle import RANK_VARIABLES
+
+REPORT = {"measurements": [], "recommendation": {}}
+
+
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bench.BenchConfig, int]]:
+    """What bench.run was given; it and bench.write do nothing."""
+    calls: list[tuple[bench.BenchConfig, int]] = []
+    monkeypatch.setattr(
+        bench, "run", lambda config, epochs: calls.append((config, epochs)) or REPORT
+    )
+    monkeypatch.setattr(bench, "write", lambda report, output: None)
+    for name in RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return calls
+
+
+def test_without_data_it_measures_a_demo_frame_as_the_command_did(
+    launched: list[tuple[bench.BenchConfig, int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert api.benchmark(target="y", rows=100, output="out", hidden=(8,)) is REPORT
+    [(config, epochs)] = launched
+    out = tmp_path / "out"
+    assert epochs == 2
+    assert (out / "demo.parquet").is_file()
+    train = config.train
+    assert (train.data, train.output, train.targets, train.hidden) == (
+        out / "demo.parquet", out, ("y",), (8,)
+    )  # fmt: skip
+    assert (train.batch_size, train.val_fraction, train.quiet) == (64, 0.0, True)
+    assert config.process_counts == bench.default_process_counts(usable_cores())
+    assert (config.batch_sizes, config.sync_intervals, config.controllers) == (
+        (64, 1024), (1, 8), ("mpi", "gloo")
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_sizes": ()}, "--batch-size names no size; give at least one (e.g. 64,1024)"),
+        ({"epochs": 1}, "epochs must be at least 2 (the first is not timed), got 1"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_work(
+    launched: list, tmp_path: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InputError) as raised:
+        api.benchmark(output=tmp_path / "out", **kwargs)
+    assert str(raised.value) == message
+    assert not launched and not (tmp_path / "out").exists()
+
+
+def test_an_earlier_bench_is_kept_unless_overwritten(launched: list, tmp_path: Path) -> None:
+    (tmp_path / "bench.json").write_text("{}")
+    data = tmp_path / "frame.parquet"
+    with pytest.raises(InputError, match="holds an earlier bench; pass --overwrite"):
+        api.benchmark(data, output=tmp_path)
+    api.benchmark(data, output=tmp_path, overwrite=True)
+    assert launched[0][0].train.data == data
+
+
+def test_under_a_launcher_it_refuses(launched: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(RANK_VARIABLES[0], "0")
+    with pytest.raises(InputError, match="launches its own jobs: run it without horovodrun"):
+        api.benchmark()
+
+
+def test_the_command_hands_its_options_to_the_api(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    given: dict[str, Any] = {}
+    monkeypatch.setattr(api, "benchmark", lambda **kwargs: given.update(kwargs) or REPORT)
+    monkeypatch.setattr(bench, "table", lambda report: "the table")
+    args = ["bench", "--target", "y", "--processes", "1,2", "--output", str(tmp_path)]
+    cli.main(args, standalone_mode=False)
+    assert given["target"] == ("y",) and given["processes"] == (1, 2)
+    assert given["output"] == tmp_path and given["data"] is None
+    assert (given["batch_sizes"], given["epochs"], given["overwrite"]) == ((64, 1024), 2, False)
