@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -16,7 +15,7 @@ import torch
 
 from hvd_cpu.data.features import OneProcess, Selection, fit
 
-from .conftest import RANK_PREFIX, horovodrun, hvd_cpu
+from .jobs import RANK_PREFIX, LiveJob, horovodrun, horovodrun_command, hvd_cpu, processes_naming
 
 
 def data(frame: pd.DataFrame, tmp: Path, name: str = "frame.pkl") -> list[str]:
@@ -257,26 +256,23 @@ def test_every_rank_ends_with_one_line_from_rank_0(
     np: int, case: str, demo_parquet: Path, tmp_path: Path
 ):
     args, pattern, output = prepare(tmp_path, demo_parquet, case)
-    job = horovodrun(np, "train", *args, launcher=("--prefix-output-with-timestamp",))
-    finished = datetime.now()
+    job = LiveJob([*horovodrun_command(np), "train", *args])
+    returncode = job.finish(timeout=120)
+    ended = time.monotonic()
 
-    assert job.returncode == 2, job.stdout + job.stderr
-    errors = [(rank, text) for rank, text in job.rank_lines() if text.strip()]
+    assert returncode == 2, job.output
+    lines = [(at, RANK_PREFIX.match(line)) for at, line in job.lines]
+    errors = [(int(m["rank"]), m["text"]) for _, m in lines if m and m["text"].strip()]
     assert len(errors) == 1, errors
     rank, text = errors[0]
     assert rank == 0
     assert text.startswith("hvd-cpu: error: ")
     assert re.search(pattern, text), text
-    assert "Traceback" not in job.stdout + job.stderr
+    assert "Traceback" not in job.output
 
-    error_line = next(
-        line for line in (job.stdout + job.stderr).splitlines() if "hvd-cpu: error" in line
-    )
-    printed_at = datetime.strptime(RANK_PREFIX.match(error_line)["time"], "%a %b %d %H:%M:%S %Y")
-    assert (finished - printed_at).total_seconds() < 11, "every rank gone within 10 s"
-    time.sleep(0.5)
-    leftover = subprocess.run(["pgrep", "-f", str(output)], capture_output=True, text=True)
-    assert leftover.stdout == "", "no rank outlives the job"
+    printed_at = next(at for at, m in lines if m and "hvd-cpu: error" in m["text"])
+    assert ended - printed_at < 10, "every rank gone within 10 s of the error"
+    assert processes_naming(output, grace=2) == [], "no rank outlives the job"
     assert_untouched(output)
 
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .conftest import REPO, run
+from .jobs import REPO, run
 
 
 def test_benchmark_suite_runs_every_contender(tmp_path: Path) -> None:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, Run, demo_file, run
 from .hosts import Hosts
+from .jobs import REPO, Run, demo_file, run
 
 TAG = "localhost/hvd-cpu:test"
 pytestmark = [

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import BIN, REPO, LiveJob, demo_file, horovodrun, hvd_cpu
 from .hosts import SSH_PORT, Hosts
+from .jobs import BIN, REPO, LiveJob, demo_file, horovodrun, hvd_cpu, metrics, weights
 
 ELASTIC = str(REPO / "launch" / "elastic.sh")
 # Long enough that a killed rank's replacement (15 s to notice the loss, a 5-15 s cool-down,
@@ -38,14 +38,6 @@ def uninterrupted(frame: Path, tmp_path_factory: pytest.TempPathFactory) -> list
                      str(output))  # fmt: skip
     assert job.returncode == 0, job.stdout + job.stderr
     return metrics(output)
-
-
-def metrics(output: Path) -> list[dict]:
-    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-
-
-def weights(output: Path) -> dict[str, torch.Tensor]:
-    return torch.load(output / "model.pt", weights_only=True)["state_dict"]
 
 
 def elastic(*args: str, **env: str) -> LiveJob:

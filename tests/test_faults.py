@@ -21,7 +21,7 @@ import pytest
 
 from hvd_cpu.model_files import CHECKPOINT, load
 
-from .conftest import BIN, Run, demo_file, horovodrun
+from .jobs import BIN, Run, demo_file, horovodrun, processes_naming
 
 ENDS_WITHIN = 30  # seconds from the fault to horovodrun's exit
 TORN = f".{CHECKPOINT}.*.tmp"  # atomic_write's temporary file: a save under way, or cut short
@@ -38,12 +38,6 @@ def frame(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def train_args(frame: Path, output: Path, epochs: int, *extra: str) -> list[str]:
     return ["train", "--data", str(frame), "--epochs", str(epochs), "--output", str(output),
             *extra]  # fmt: skip
-
-
-def job_processes(output: Path) -> list[int]:
-    """Every process whose command line names `output`: horovodrun, its shells, the ranks."""
-    found = subprocess.run(["pgrep", "-f", str(output)], capture_output=True, text=True)
-    return [int(pid) for pid in found.stdout.split()]
 
 
 def epochs_written(output: Path) -> int:
@@ -102,7 +96,7 @@ def start(tmp_path: Path) -> Iterator[Callable[..., Job]]:
 
     yield launch
     for job in jobs:
-        for pid in job_processes(job.output):
+        for pid in processes_naming(job.output):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         job.process.wait()
@@ -137,10 +131,7 @@ def ended_as_said(
     ]  # fmt: skip
     assert others == [], printed
 
-    deadline = time.monotonic() + 10
-    while job_processes(job.output) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert job_processes(job.output) == [], "a process of the job outlived it"
+    assert processes_naming(job.output, grace=10) == [], "a process of the job outlived it"
 
 
 def resumes(job: Job, frame: Path) -> int:

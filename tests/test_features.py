@@ -12,7 +12,7 @@ from hvd_cpu.data.demo import NOISE_STD, make_demo_frame
 from hvd_cpu.data.features import FeatureTransform, OneProcess, Selection, fit
 from hvd_cpu.errors import InputError
 
-from .conftest import messy_frame
+from .messy import messy_frame
 
 
 def fit_one(frame: pd.DataFrame, task: str = "regression", max_categories: int = 32, **sel):

@@ -11,7 +11,7 @@ from hvd_cpu.data.demo import make_demo_frame
 from hvd_cpu.data.frames import assign_row_groups, read_frame, read_parquet_shard, write_frame
 from hvd_cpu.errors import InputError
 
-from .conftest import hvd_cpu
+from .jobs import hvd_cpu
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".pkl", ".pickle", ".feather", ".csv"])

@@ -10,7 +10,7 @@ import pytest
 from hvd_cpu.errors import InputError
 from hvd_cpu.hostfile import HostSlots, main, parse, read_hostfile
 
-from .conftest import BIN, REPO, run
+from .jobs import BIN, REPO, run
 
 LAUNCH = REPO / "launch"
 COMMENTED = """\

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import BIN, REPO, Run, demo_file, horovodrun, hvd_cpu, run
 from .hosts import SSH_PORT, Hosts
+from .jobs import BIN, REPO, Run, demo_file, horovodrun, hvd_cpu, metrics, run
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not Path("/usr/sbin/sshd").exists(),
@@ -93,8 +93,7 @@ def test_four_ranks_on_two_hosts_train_like_four_on_one(
     spread_over_both_hosts(tmp_path / "spread", "gloo")
 
     def losses(folder: Path) -> list[float]:
-        lines = (folder / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(line)["train_loss"] for line in lines]
+        return [record["train_loss"] for record in metrics(folder)]
 
     assert losses(tmp_path / "spread") == pytest.approx(losses(local_four), rel=1e-6)
 

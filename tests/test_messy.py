@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import horovodrun, hvd_cpu, messy_frame
+from .jobs import horovodrun, hvd_cpu, metrics
+from .messy import messy_frame
 
 USER_MODEL = """
 import torch
@@ -39,7 +40,7 @@ def read_json(path: Path):
 
 
 def losses(output: Path, key: str = "train_loss") -> list[float]:
-    return [json.loads(line)[key] for line in (output / "metrics.jsonl").read_text().splitlines()]
+    return [record[key] for record in metrics(output)]
 
 
 def test_a_messy_frame_trains_on_two_ranks(messy: Path, tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ gradient allreduce; bad input stays one line."""
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import BIN, REPO, Run, horovodrun, mpirun, run
+from .jobs import BIN, REPO, Run, horovodrun, mpirun, ranks, run
 
 ARGS = ["--epochs", "2", "--no-shuffle", "--val-fraction", "0.1"]
 
@@ -26,10 +25,6 @@ def assert_same_parameters(a: Path, b: Path, atol: float = 1e-6) -> None:
     assert ours.keys() == theirs.keys()
     for name in ours:
         torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=atol, msg=name)
-
-
-def ranks(output: Path) -> list[dict]:
-    return json.loads((output / "ranks.json").read_text())
 
 
 def ok(job: Run) -> Run:

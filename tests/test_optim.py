@@ -14,7 +14,7 @@ import torch
 from hvd_cpu import optim
 from hvd_cpu.optim import adam
 
-from .conftest import REPO
+from .jobs import REPO
 
 
 def _train(optimizer_for, steps: int = 30) -> torch.nn.Module:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import BIN, REPO, horovodrun
+from .jobs import BIN, REPO, horovodrun
 from .slurm import SlurmCluster, missing_tools
 
 SCRIPT = REPO / "launch" / "slurm.sbatch"

@@ -19,8 +19,7 @@ from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.models import Network, parameter_digest
 from hvd_cpu.optim import adam
 
-from .conftest import BIN, horovodrun, hvd_cpu, run
-from .test_jobs import load_model, metrics
+from .jobs import BIN, horovodrun, hvd_cpu, load_model, metrics, run
 
 
 def _local_sgd_by_hand(

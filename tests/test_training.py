@@ -19,7 +19,7 @@ import torch
 from hvd_cpu.atomic import atomic_write
 from hvd_cpu.model_files import CHECKPOINT, load
 
-from .conftest import BIN, demo_file, horovodrun, hvd_cpu, run
+from .jobs import BIN, demo_file, horovodrun, hvd_cpu, processes_naming, ranks, run, weights
 
 RESULTS = ("epoch", "train_loss", "val_loss", "samples", "lr", "world_size")
 
@@ -27,19 +27,6 @@ RESULTS = ("epoch", "train_loss", "val_loss", "samples", "lr", "world_size")
 def history(output: Path) -> list[dict]:
     lines = (output / "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if k in RESULTS} for line in lines]
-
-
-def ranks(output: Path) -> list[dict]:
-    return json.loads((output / "ranks.json").read_text())
-
-
-def weights(output: Path) -> dict[str, torch.Tensor]:
-    return torch.load(output / "model.pt", weights_only=True)["state_dict"]
-
-
-@pytest.fixture(scope="module")
-def frame_20k(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return demo_file(tmp_path_factory.mktemp("data") / "demo20k.parquet", rows=20_000)
 
 
 def test_a_killed_run_resumed_ends_where_an_uninterrupted_one_does(
@@ -69,12 +56,7 @@ def test_a_killed_run_resumed_ends_where_an_uninterrupted_one_does(
         time.sleep(0.05)
     job.send_signal(signal.SIGKILL)
     job.wait()
-    for _ in range(100):  # ranks notice the launcher is gone and end
-        if not subprocess.run(["pgrep", "-f", str(killed)], capture_output=True).stdout:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("ranks outlived the killed horovodrun")
+    assert processes_naming(killed, grace=10) == [], "ranks outlived the killed horovodrun"
     stopped_at = load(killed / CHECKPOINT, "checkpoint")["loop"]["epoch"]
     assert 2 <= stopped_at < 6
 

@@ -1,0 +1,182 @@
+"""Running hvd-cpu for real (as a plain process, under horovodrun or mpirun, or live while a
+test acts on it) and reading what a run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from hvd_cpu.models import Network
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parent.parent
+# Launchers prefix each line a rank prints: horovodrun over Gloo with "[rank]<stdout>:", Open
+# MPI's --tag-output (mpirun, horovodrun --mpi) with "[job,rank]<stdout>:"; after a timestamp
+# when asked (--prefix-output-with-timestamp, --timestamp-output).
+RANK_PREFIX = re.compile(
+    r"^(?P<time>.*?)\[(?:\d+,)?(?P<rank>\d+)\]<(?:stdout|stderr)>:(?P<text>.*)$"
+)
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def rank_lines(self, rank: int | None = None) -> list[tuple[int, str]]:
+        """(rank, text) of every line a rank printed, from horovodrun's prefixes."""
+        found = []
+        for line in (self.stdout + self.stderr).splitlines():
+            match = RANK_PREFIX.match(line)
+            if match and (rank is None or int(match["rank"]) == rank):
+                found.append((int(match["rank"]), match["text"]))
+        return found
+
+
+def run(
+    args: list[str], timeout: float = 300, cwd: Path | None = None, env: dict | None = None
+) -> Run:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})}
+    start = time.monotonic()
+    done = subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, check=False
+    )
+    return Run(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
+
+
+def hvd_cpu(*args: str, timeout: float = 300) -> Run:
+    """`hvd-cpu ARGS` as a plain process (a job of one)."""
+    return run([str(BIN / "hvd-cpu"), *args], timeout=timeout)
+
+
+def horovodrun(
+    np: int,
+    *args: str,
+    launcher: tuple[str, ...] = (),
+    timeout: float = 300,
+    controller: str = "gloo",
+) -> Run:
+    """`horovodrun --CONTROLLER -np NP [LAUNCHER OPTIONS] hvd-cpu ARGS` on this host; Gloo
+    unless asked, the card's shape (plain horovodrun would pick MPI, which is built in)."""
+    return run([*horovodrun_command(np, controller, launcher), *args], timeout=timeout)
+
+
+def horovodrun_command(
+    np: int, controller: str = "gloo", launcher: tuple[str, ...] = ()
+) -> list[str]:
+    """The command line of `horovodrun(...)`, up to hvd-cpu's own arguments."""
+    command = [str(BIN / "horovodrun"), f"--{controller}", "-np", str(np), "--disable-cache"]
+    return [*command, *launcher, str(BIN / "hvd-cpu")]
+
+
+def mpirun(np: int, *args: str, timeout: float = 300) -> Run:
+    """`mpirun -np NP hvd-cpu ARGS`, as a cluster user would start it (as root here)."""
+    command = ["mpirun", "--allow-run-as-root", "--tag-output", "-np", str(np)]
+    command += ["--oversubscribe", "-mca", "pml", "ob1", "-mca", "btl", "^openib"]
+    return run([*command, str(BIN / "hvd-cpu"), *args], timeout=timeout)
+
+
+def demo_file(path: Path, rows: int, features: int = 8) -> Path:
+    """A demo frame written by `hvd-cpu make-demo-data` itself."""
+    made = hvd_cpu("make-demo-data", str(path), "--rows", str(rows), "--features", str(features))
+    assert made.returncode == 0, made.stderr
+    return path
+
+
+class LiveJob:
+    """A job whose output is read while it runs, each line with the time it came."""
+
+    def __init__(self, command: list[str], env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})}
+        self.process = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> float:
+        """When a line matching `pattern` came; fails if the job ends or time runs out first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for at, line in list(self.lines):
+                if re.search(pattern, line):
+                    return at
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"no line matching {pattern!r} in {timeout} s; {self.summary()}")
+            time.sleep(0.05)
+
+    def summary(self) -> str:
+        """hvd-cpu's and the launcher's own lines, then the last few of everything."""
+        start = self.lines[0][0] if self.lines else 0.0
+        timed = [f"{at - start:6.1f} s  {line}" for at, line in self.lines]
+        ours = [t for t in timed if re.search(r"hvd-cpu|Epoch|Process|error", t)]
+        return "the job printed:\n" + "\n".join([*ours, "...", *timed[-15:]])
+
+    def finish(self, timeout: float) -> int:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the job did not end within {timeout} s; {self.summary()}")
+        self._reader.join(10)
+        return self.process.returncode
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def metrics(output: Path) -> list[dict]:
+    """Every epoch's record in OUTPUT/metrics.jsonl."""
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+def ranks(output: Path) -> list[dict]:
+    """OUTPUT/ranks.json: one entry per rank."""
+    return json.loads((output / "ranks.json").read_text())
+
+
+def weights(output: Path) -> dict[str, torch.Tensor]:
+    """The exported model's parameters."""
+    return torch.load(output / "model.pt", weights_only=True)["state_dict"]
+
+
+def load_model(output: Path, features: int = 8) -> Network:
+    """The exported seed MLP of a run on `features` columns."""
+    model = Network(features)
+    model.load_state_dict(weights(output))
+    return model
+
+
+def processes_naming(marker: Path | str, grace: float = 0.0) -> list[int]:
+    """PIDs of the processes whose command line names `marker` (a run's output folder: its
+    horovodrun, shells and ranks), once they are gone or `grace` seconds have passed."""
+    deadline = time.monotonic() + grace
+    while True:
+        found = subprocess.run(["pgrep", "-f", str(marker)], capture_output=True, text=True)
+        pids = [int(pid) for pid in found.stdout.split()]
+        if not pids or time.monotonic() >= deadline:
+            return pids
+        time.sleep(0.05)
