@@ -57,6 +57,40 @@ class LoopState:
     epoch_rows: int = 0  # rows of the current epoch trained by all ranks (--elastic resumes here)
     history: list[dict[str, Any]] = field(default_factory=list)
 
+    def validated(self, val_loss: float, epoch: int, plateau_patience: int | None) -> None:
+        """Count the epochs without a better validation loss: early stopping ends the run
+        after --patience of them, and the lr halves after each --plateau-patience. Every rank
+        sees the same allreduced loss, so every rank makes the same decisions."""
+        if val_loss < self.best_val_loss:
+            self.best_val_loss, self.best_epoch = val_loss, epoch
+            self.since_best = self.since_lr_change = 0
+            return
+        self.since_best += 1
+        self.since_lr_change += 1
+        if plateau_patience is not None and self.since_lr_change >= plateau_patience:
+            self.lr_factor /= 2
+            self.since_lr_change = 0
+
+    def finished(self, epochs: int, patience: int | None) -> bool:
+        """All `epochs` run, or `patience` of them since the best validation loss."""
+        stopped = patience is not None and self.since_best >= patience
+        return stopped or self.epoch >= epochs
+
+
+def scaled_lr(lr: float, world_size: int, scale_lr: bool, local_sgd: bool) -> float:
+    """The lr after warm-up. Gradient averaging makes one step of the global batch: Horovod
+    scales the lr with it. A local SGD step sees one rank's batch, so its lr stays as given."""
+    return lr * world_size if scale_lr and not local_sgd else lr
+
+
+def scheduled_lr(lr: float, peak: float, step: int, warmup_steps: int, factor: float) -> float:
+    """The lr of optimizer step `step`: Horovod's warm-up, linear from `lr` to `peak` over
+    `warmup_steps` (a large lr from the first step can diverge), then `peak`; times the
+    plateau factor throughout."""
+    if step < warmup_steps:
+        peak = lr + (peak - lr) * step / warmup_steps
+    return peak * factor
+
 
 @dataclass
 class TrainResult:
@@ -136,11 +170,10 @@ class Trainer:
         self._scale_to(world_size)
 
     def _scale_to(self, world_size: int) -> None:
-        """Gradient averaging makes one step of the global batch: Horovod scales the lr with
-        it. A local SGD step sees one rank's batch, so its lr stays as given."""
+        """The lr schedule for `world_size` ranks (again whenever --elastic resizes)."""
         config = self.config
         self.world_size = world_size
-        self.peak_lr = config.lr * (world_size if config.scale_lr and not self.local_sgd else 1)
+        self.peak_lr = scaled_lr(config.lr, world_size, config.scale_lr, self.local_sgd)
         self.warmup_steps = config.warmup_epochs * len(self.batches)
 
     def resize(self, world: dist.World) -> None:
@@ -152,11 +185,10 @@ class Trainer:
         self._scale_to(world.size)
 
     def lr(self) -> float:
-        """Horovod's warm-up from lr to lr x size over --warmup-epochs, then the plateau factor."""
-        lr = self.peak_lr
-        if self.state.step < self.warmup_steps:
-            lr = self.config.lr + (lr - self.config.lr) * self.state.step / self.warmup_steps
-        return lr * self.state.lr_factor
+        state = self.state
+        return scheduled_lr(
+            self.config.lr, self.peak_lr, state.step, self.warmup_steps, state.lr_factor
+        )
 
     def _run_batch(
         self, x: torch.Tensor, y: torch.Tensor
@@ -232,30 +264,13 @@ class Trainer:
             metrics.val_loss, metrics.val_accuracy = self.validation.evaluate(
                 self.model, self.loss_fn, self.classification
             )
-            self._track(metrics.val_loss, epoch)
+            state.validated(metrics.val_loss, epoch, self.config.plateau_patience)
         state.epoch, state.epoch_rows = epoch, 0
         state.history.append(metrics.record())
         return metrics
 
-    def _track(self, val_loss: float, epoch: int) -> None:
-        """Early-stopping and plateau counters; every rank sees the same allreduced loss, so
-        every rank makes the same decisions."""
-        state = self.state
-        if val_loss < state.best_val_loss:
-            state.best_val_loss, state.best_epoch = val_loss, epoch
-            state.since_best = state.since_lr_change = 0
-            return
-        state.since_best += 1
-        state.since_lr_change += 1
-        patience = self.config.plateau_patience
-        if patience is not None and state.since_lr_change >= patience:
-            state.lr_factor /= 2
-            state.since_lr_change = 0
-
     def done(self) -> bool:
-        patience = self.config.patience
-        stopped = patience is not None and self.state.since_best >= patience
-        return stopped or self.state.epoch >= self.config.epochs
+        return self.state.finished(self.config.epochs, self.config.patience)
 
     def snapshot(self) -> dict[str, Any]:
         """The state that changes while training (what an elastic commit keeps)."""
