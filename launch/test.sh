@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Quick start, command 2: install what is missing (including test tools), lint, run every test
-# but the slow container build (launch/test-container.sh runs that). Extra arguments go to pytest.
+# but the container build (launch/test-container.sh runs that). Arguments, if any, go to one
+# pytest run instead of the two stages below.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$repo/launch/install.sh" --test
@@ -9,10 +10,22 @@ export PATH=$venv/bin:$PATH
 cd "$repo"
 ruff check .
 ruff format --check .
-status=0
-pytest -m "not container" "$@" || status=$?
-if ((status == 5)); then
-  echo "test: pytest collected no tests; that is a failure, not a pass" >&2
-  exit 1
+# pytest's "no tests collected" (exit 5) is a failure here, never a pass.
+tests() {
+  local status=0
+  pytest "$@" || status=$?
+  if ((status == 5)); then
+    echo "test: pytest collected no tests; that is a failure, not a pass" >&2
+    return 1
+  fi
+  return "$status"
+}
+if (($#)); then
+  tests -m "not container" "$@"
+else
+  # The main suite (under 5 minutes, two workers), then the slow one: minutes of real jobs
+  # (elastic, faults, namespace hosts, SLURM, whole matrices), one at a time, as they share
+  # the namespace hosts' network and measure seconds.
+  tests -m "not slow and not container" -n 2
+  tests -m "slow and not container"
 fi
-exit "$status"

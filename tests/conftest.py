@@ -1,7 +1,11 @@
-"""Data files shared by the tests that launch real jobs."""
+"""Data files shared by the tests that launch real jobs, and what tests that train inside
+pytest's own process must leave as they found it."""
 
 from __future__ import annotations
 
+import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,3 +23,20 @@ def demo_parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def frame_20k(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """20,000 demo rows: enough batches per epoch for resizes, kills and early stopping."""
     return demo_file(tmp_path_factory.mktemp("data") / "demo20k.parquet", rows=20_000)
+
+
+@pytest.fixture(autouse=True)
+def process_state_restored() -> Iterator[None]:
+    """A training in this process (tests/test_predict.py...) sets Horovod's controller in
+    os.environ and hvd-cpu's signal handlers; left there, the next test's mpirun would start
+    its ranks with HOROVOD_CONTROLLER=gloo and Ctrl-C would end pytest without its report."""
+    environment = dict(os.environ)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    wakeup_fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup_fd)
+    yield
+    signal.set_wakeup_fd(wakeup_fd)
+    os.environ.clear()
+    os.environ.update(environment)
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)

@@ -18,6 +18,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+# What namespace hosts need here; the tests that use them skip without it.
+needs_namespaces = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("ip") or not Path("/usr/sbin/sshd").exists(),
+    reason="multi-host tests need root (network namespaces), iproute2 and openssh-server",
+)
+
 BRIDGE = "hvd0"
 SSH_PORT = 2222
 SUBNET = "198.18.0"

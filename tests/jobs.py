@@ -10,8 +10,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +21,8 @@ import torch
 from hvd_cpu.models import Network
 
 BIN = Path(sys.executable).parent
+# Minutes of real jobs: launch/test.sh runs them after the main suite (pytest -m 'not slow').
+SLOW = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 # Launchers prefix each line a rank prints: horovodrun over Gloo with "[rank]<stdout>:", Open
 # MPI's --tag-output (mpirun, horovodrun --mpi) with "[job,rank]<stdout>:"; after a timestamp
@@ -180,3 +184,13 @@ def processes_naming(marker: Path | str, grace: float = 0.0) -> list[int]:
         if not pids or time.monotonic() >= deadline:
             return pids
         time.sleep(0.05)
+
+
+def slow_except(values: Iterable[Any], kept: Iterable[Any]) -> list[Any]:
+    """Parameters for pytest.mark.parametrize: those in `kept` run in the main suite, the rest
+    are marked slow (launch/test.sh runs them after it). Values may be tuples of arguments."""
+    kept = list(kept)
+    return [
+        pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=() if v in kept else SLOW)
+        for v in values
+    ]

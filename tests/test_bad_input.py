@@ -15,7 +15,15 @@ import torch
 
 from hvd_cpu.data.features import OneProcess, Selection, fit
 
-from .jobs import RANK_PREFIX, LiveJob, horovodrun, horovodrun_command, hvd_cpu, processes_naming
+from .jobs import (
+    RANK_PREFIX,
+    LiveJob,
+    horovodrun,
+    horovodrun_command,
+    hvd_cpu,
+    processes_naming,
+    slow_except,
+)
 
 
 def data(frame: pd.DataFrame, tmp: Path, name: str = "frame.pkl") -> list[str]:
@@ -235,7 +243,14 @@ def assert_untouched(output: Path) -> None:
     assert (output / "metrics.jsonl").read_text() == "good results\n"
 
 
-@pytest.mark.parametrize("case", CASES | PLAIN_CASES)
+# The main suite runs one case of each kind; the slow suite the rest.
+PLAIN_KEPT = (
+    "option out of range", "missing file", "corrupt file", "missing target", "too many categories",
+    "model does not import", "model output shape", "target in --features",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", slow_except(CASES | PLAIN_CASES, PLAIN_KEPT))
 def test_plain_process_prints_one_line_and_exits_2(case: str, demo_parquet: Path, tmp_path: Path):
     args, pattern, output = prepare(tmp_path, demo_parquet, case)
     job = hvd_cpu("train", *args)
@@ -247,10 +262,21 @@ def test_plain_process_prints_one_line_and_exits_2(case: str, demo_parquet: Path
     assert_untouched(output)
 
 
+# One case per stage where a job can stop (options, reading, features, the user's model, the
+# ranks' shares) runs in the main suite; the rest of the matrix in the slow one.
+EACH_STAGE = [
+    (2, case)
+    for case in ("option out of range", "missing file", "too many categories", "model output shape")
+] + [(2, case) for case in RANK_CASES]
+
+
 @pytest.mark.parametrize(
     ("np", "case"),
-    [(2, case) for case in CASES | RANK_CASES]
-    + [(4, case) for case in ("missing file", "missing target", "too many categories")],
+    slow_except(
+        [(2, case) for case in CASES | RANK_CASES]
+        + [(4, case) for case in ("missing file", "missing target", "too many categories")],
+        EACH_STAGE,
+    ),
 )
 def test_every_rank_ends_with_one_line_from_rank_0(
     np: int, case: str, demo_parquet: Path, tmp_path: Path
@@ -276,7 +302,7 @@ def test_every_rank_ends_with_one_line_from_rank_0(
     assert_untouched(output)
 
 
-@pytest.mark.parametrize("np", [1, 2])
+@pytest.mark.parametrize("np", slow_except([1, 2], [1]))
 def test_a_run_stopped_by_bad_input_leaves_no_folder_behind(
     np: int, demo_parquet: Path, tmp_path: Path
 ):
@@ -287,7 +313,7 @@ def test_a_run_stopped_by_bad_input_leaves_no_folder_behind(
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("np", [1, 2])
+@pytest.mark.parametrize("np", slow_except([1, 2], [2]))
 def test_a_diverging_run_stops_with_one_line_and_exports_nothing(
     np: int, demo_parquet: Path, tmp_path: Path
 ):
@@ -310,6 +336,7 @@ def test_a_diverging_run_stops_with_one_line_and_exports_nothing(
     assert not (tmp_path / "out" / "checkpoint.pt").exists()
 
 
+@pytest.mark.slow
 def test_integer_column_names_train_as_their_text(demo_parquet: Path, tmp_path: Path) -> None:
     """A frame built from a matrix has column names 0, 1, ...: `--target 8` names the last."""
     frame = pd.read_parquet(demo_parquet)
@@ -320,7 +347,9 @@ def test_integer_column_names_train_as_their_text(demo_parquet: Path, tmp_path: 
     assert [c["name"] for c in features["inputs"]] == [str(i) for i in range(8)]
 
 
-@pytest.mark.parametrize("kind", ["a tensor", "torn bytes", "a model.pt"])
+@pytest.mark.parametrize(
+    "kind", slow_except(["a tensor", "torn bytes", "a model.pt"], ["a model.pt"])
+)
 def test_resuming_from_a_file_that_is_not_a_checkpoint_is_one_line(
     kind: str, demo_parquet: Path, tmp_path: Path
 ):
@@ -497,7 +526,9 @@ def run_predict(tmp: Path, trained: Path, demo: Path, case: str, np: int) -> tup
     return [text for _, text in lines], pattern
 
 
-@pytest.mark.parametrize("case", PREDICT_CASES)
+@pytest.mark.parametrize(
+    "case", slow_except(PREDICT_CASES, ["no model", "missing feature column", "complex numbers"])
+)
 def test_predict_on_bad_input_is_one_line(
     case: str, trained: Path, demo_parquet: Path, tmp_path: Path
 ) -> None:
@@ -506,6 +537,7 @@ def test_predict_on_bad_input_is_one_line(
     assert re.search(pattern, lines[0]), lines[0]
 
 
+@pytest.mark.slow
 def test_predict_output_that_rank_0_cannot_write_ends_every_rank(
     trained: Path, demo_parquet: Path, tmp_path: Path
 ) -> None:
@@ -514,6 +546,7 @@ def test_predict_output_that_rank_0_cannot_write_ends_every_rank(
     assert len(lines) == 1 and re.search(pattern, lines[0]), lines
 
 
+@pytest.mark.slow
 def test_predict_with_fewer_rows_than_ranks_is_what_one_process_predicts(
     trained: Path, demo_parquet: Path, tmp_path: Path
 ) -> None:

@@ -7,7 +7,11 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from .jobs import REPO, run
+
+pytestmark = pytest.mark.slow
 
 
 def test_benchmark_suite_runs_every_contender(tmp_path: Path) -> None:

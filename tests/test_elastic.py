@@ -3,9 +3,7 @@ with launch/elastic.sh, real SIGKILLs, on one host and on two (network namespace
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from .hosts import SSH_PORT, Hosts
-from .jobs import BIN, REPO, LiveJob, demo_file, horovodrun, hvd_cpu, metrics, weights
+from .hosts import SSH_PORT, Hosts, needs_namespaces
+from .jobs import BIN, REPO, SLOW, LiveJob, demo_file, horovodrun, hvd_cpu, metrics, ranks, weights
 
 ELASTIC = str(REPO / "launch" / "elastic.sh")
 # Long enough that a killed rank's replacement (15 s to notice the loss, a 5-15 s cool-down,
@@ -76,6 +74,23 @@ def close_to(final: dict, reference: dict) -> None:
     assert final["val_loss"] == pytest.approx(reference["val_loss"], rel=0.05)
 
 
+def survived(job: LiveJob, output: Path, reference: list[dict], *, killed: float, went_on: float,
+             back: float) -> list[int]:  # fmt: skip
+    """The end of a job that lost ranks and got them back: it finished, every epoch ran exactly
+    once, the loss ended where an uninterrupted run's does, and nothing was left; returns each
+    epoch's number of ranks."""
+    assert job.finish(300) == 0, job.summary()
+    print(f"went on {went_on - killed:.1f} s after the kill, at 4 ranks again after "
+          f"{back - killed:.1f} s")  # fmt: skip
+    history = metrics(output)
+    assert [m["epoch"] for m in history] == list(range(1, EPOCHS + 1))
+    close_to(history[-1], reference[-1])
+    assert "Traceback" not in job.output
+    no_process_left(output)
+    return [m["world_size"] for m in history]
+
+
+@pytest.mark.slow
 def test_without_failures_elastic_trains_exactly_like_a_plain_job(tmp_path: Path) -> None:
     plain = horovodrun(2, "train", "--epochs", "3", "--output", str(tmp_path / "plain"))
     assert plain.returncode == 0, plain.stdout + plain.stderr
@@ -87,6 +102,7 @@ def test_without_failures_elastic_trains_exactly_like_a_plain_job(tmp_path: Path
         torch.testing.assert_close(weights(tmp_path / "elastic")[name], value, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("killed_rank", ["beside rank 0", "rank 0"])
 def test_a_killed_rank_is_replaced_and_training_goes_on(
     killed_rank: str, frame: Path, uninterrupted: list[dict], tmp_path: Path
@@ -94,31 +110,23 @@ def test_a_killed_rank_is_replaced_and_training_goes_on(
     output = tmp_path / "out"
     job = elastic("--data", str(frame), "--epochs", str(EPOCHS), "--output", str(output), NP="4")
     job.wait_for(r"Epoch 2:", 120)
-    ranks = ranks_of(output)
-    root_host = next(env["HOROVOD_HOSTNAME"] for _, env in ranks if env["HOROVOD_RANK"] == "0")
+    running = ranks_of(output)
+    root_host = next(env["HOROVOD_HOSTNAME"] for _, env in running if env["HOROVOD_RANK"] == "0")
     if killed_rank == "rank 0":  # another rank becomes rank 0 and takes over the records
-        victim = next(pid for pid, env in ranks if env["HOROVOD_RANK"] == "0")
+        victim = next(pid for pid, env in running if env["HOROVOD_RANK"] == "0")
     else:
-        victim = next(pid for pid, env in ranks if env["HOROVOD_HOSTNAME"] != root_host)
+        victim = next(pid for pid, env in running if env["HOROVOD_HOSTNAME"] != root_host)
     killed = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     # This host runs under two names (launch/discover-hosts.sh): the victim's name is out for
     # a cool-down, with the rank beside it; then both are started again.
     went_on = job.wait_for(r"hvd-cpu: 4 -> [23] ranks; going on from the last commit", 60)
     back = job.wait_for(r"hvd-cpu: [23] -> 4 ranks", 90)
-    assert job.finish(300) == 0, job.summary()
-    print(f"went on {went_on - killed:.1f} s after the kill, at 4 ranks again after "
-          f"{back - killed:.1f} s")  # fmt: skip
-
-    history = metrics(output)
-    assert [m["epoch"] for m in history] == list(range(1, EPOCHS + 1))
-    sizes = [m["world_size"] for m in history]
+    sizes = survived(job, output, uninterrupted, killed=killed, went_on=went_on, back=back)
     assert sizes[0] == 4 and min(sizes) < 4 and sizes[-1] == 4
-    close_to(history[-1], uninterrupted[-1])
-    assert "Traceback" not in job.output
-    no_process_left(output)
 
 
+@pytest.mark.slow
 def test_more_lost_ranks_than_max_restarts_end_the_job_with_one_line(
     frame: Path, tmp_path: Path
 ) -> None:
@@ -183,8 +191,12 @@ def test_a_rank_gone_mid_request_leaves_no_traceback_on_the_launcher(server: str
     ("args", "message"),
     [
         ([], "--elastic needs horovodrun's elastic mode: start it with launch/elastic.sh"),
-        (["--shard-read", "--data", "x.parquet"], "--elastic shares the rows out again"),
-        (["--sync-every", "4"], "--elastic averages gradients every step"),
+        pytest.param(
+            ["--shard-read", "--data", "x.parquet"],
+            "--elastic shares the rows out again",
+            marks=SLOW,
+        ),
+        pytest.param(["--sync-every", "4"], "--elastic averages gradients every step", marks=SLOW),
         (["--allreduce", "direct"], "--elastic runs over Gloo and --allreduce direct needs MPI"),
     ],
 )
@@ -198,18 +210,13 @@ def test_elastic_options_that_cannot_work_are_one_line(
     assert not (tmp_path / "out").exists()
 
 
-needs_namespaces = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("ip") or not Path("/usr/sbin/sshd").exists(),
-    reason="multi-host tests need root (network namespaces), iproute2 and openssh-server",
-)
-
-
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     with Hosts(tmp_path_factory.mktemp("hosts"), ["hvdela", "hvdelb"]) as made:
         yield made
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_a_lost_host_is_survived_and_taken_back_when_it_returns(
     hosts: Hosts, frame: Path, uninterrupted: list[dict], tmp_path: Path
@@ -235,15 +242,8 @@ def test_a_lost_host_is_survived_and_taken_back_when_it_returns(
     went_on = job.wait_for(r"hvd-cpu: 4 -> 2 ranks; going on from the last commit", 60)
     hostfile.write_text(both)  # ... and comes back
     back = job.wait_for(r"hvd-cpu: 2 -> 4 ranks", 90)
-    assert job.finish(300) == 0, job.summary()
-    print(f"went on {went_on - killed:.1f} s after the kill, at 4 ranks again after "
-          f"{back - killed:.1f} s")  # fmt: skip
-
-    history = metrics(output)
-    assert [m["epoch"] for m in history] == list(range(1, EPOCHS + 1))
-    assert {m["world_size"] for m in history} == {2, 4}
-    close_to(history[-1], uninterrupted[-1])
-    ranks = json.loads((output / "ranks.json").read_text())
-    assert sorted(r["host"] for r in ranks) == ["hvdela", "hvdela", "hvdelb", "hvdelb"]
-    assert len({r["param_sha256"] for r in ranks}) == 1
-    no_process_left(output)
+    sizes = survived(job, output, uninterrupted, killed=killed, went_on=went_on, back=back)
+    assert set(sizes) == {2, 4}
+    written = ranks(output)
+    assert sorted(r["host"] for r in written) == ["hvdela", "hvdela", "hvdelb", "hvdelb"]
+    assert len({r["param_sha256"] for r in written}) == 1

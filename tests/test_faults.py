@@ -23,6 +23,8 @@ from hvd_cpu.model_files import CHECKPOINT, load
 
 from .jobs import BIN, Run, demo_file, horovodrun, processes_naming
 
+pytestmark = pytest.mark.slow
+
 ENDS_WITHIN = 30  # seconds from the fault to horovodrun's exit
 TORN = f".{CHECKPOINT}.*.tmp"  # atomic_write's temporary file: a save under way, or cut short
 # Horovod's background thread logs its own view of a lost connection, on most runs, before

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -15,13 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from .hosts import SSH_PORT, Hosts
+from .hosts import SSH_PORT, Hosts, needs_namespaces
 from .jobs import BIN, REPO, Run, demo_file, horovodrun, hvd_cpu, metrics, run
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("ip") or not Path("/usr/sbin/sshd").exists(),
-    reason="multi-host tests need root (network namespaces), iproute2 and openssh-server",
-)
+pytestmark = [needs_namespaces, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

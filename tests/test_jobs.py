@@ -12,10 +12,10 @@ import torch
 
 from hvd_cpu.models import Network, parameter_digest
 
-from .jobs import BIN, REPO, horovodrun, hvd_cpu, load_model, metrics, run
+from .jobs import BIN, REPO, horovodrun, hvd_cpu, load_model, metrics, run, slow_except
 
 
-@pytest.mark.parametrize("np", [2, 4])
+@pytest.mark.parametrize("np", slow_except([2, 4], [2]))
 def test_ranks_train_together_and_end_identical(np: int, demo_parquet: Path, tmp_path: Path):
     out = tmp_path / "out"
     args = ["train", "--data", str(demo_parquet), "--epochs", "3", "--output", str(out)]
@@ -73,6 +73,7 @@ def test_a_plain_process_is_a_job_of_one(demo_parquet: Path, tmp_path: Path) -> 
     assert metrics(tmp_path)[0]["world_size"] == 1
 
 
+@pytest.mark.slow
 def test_the_demo_loss_falls_in_each_of_ten_epochs(tmp_path: Path) -> None:
     """README's command 1, launch/demo.sh: `horovodrun -np 4 hvd-cpu train` on the demo frame
     (its extra arguments go to train: here an --output outside the repository's runs/)."""

@@ -98,6 +98,7 @@ def test_a_user_model_from_a_file_trains(messy: Path, tmp_path: Path) -> None:
     assert len({r["param_sha256"] for r in ranks}) == 1
 
 
+@pytest.mark.slow
 def test_classification_reports_accuracy_over_all_ranks(messy: Path, tmp_path: Path) -> None:
     job = horovodrun(
         2,
@@ -128,6 +129,7 @@ def test_classification_reports_accuracy_over_all_ranks(messy: Path, tmp_path: P
     assert losses(tmp_path, "val_accuracy")[-1] > 0.6
 
 
+@pytest.mark.slow
 def test_shard_reads_fit_the_same_statistics_with_a_fraction_of_the_rows(tmp_path: Path) -> None:
     frame = messy_frame(rows=4000).drop(columns=["grade"])  # category dtype is not in parquet's
     path = tmp_path / "messy.parquet"
@@ -149,6 +151,7 @@ def test_shard_reads_fit_the_same_statistics_with_a_fraction_of_the_rows(tmp_pat
     assert history[-1] < history[0]
 
 
+@pytest.mark.slow
 def test_several_targets_are_several_outputs(tmp_path: Path) -> None:
     frame = messy_frame(rows=1000).assign(double=lambda f: 2 * f["target"])
     path = tmp_path / "two.feather"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .jobs import BIN, REPO, Run, horovodrun, mpirun, ranks, run
+from .jobs import BIN, REPO, Run, horovodrun, mpirun, ranks, run, slow_except
 
 ARGS = ["--epochs", "2", "--no-shuffle", "--val-fraction", "0.1"]
 
@@ -44,17 +44,17 @@ def gloo_run(demo_parquet: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return output
 
 
-@pytest.mark.parametrize(
-    ("how", "summary"),
-    [
-        ("horovodrun --mpi", "MPI; gradients averaged by hvd.DistributedOptimizer"),
-        ("mpirun", "MPI; gradients averaged by hvd.DistributedOptimizer"),
-        (
-            "horovodrun --mpi --allreduce direct",
-            "MPI; gradients averaged by one MPI allreduce per step (direct)",
-        ),
-    ],
-)
+LAUNCHES = [
+    ("horovodrun --mpi", "MPI; gradients averaged by hvd.DistributedOptimizer"),
+    ("mpirun", "MPI; gradients averaged by hvd.DistributedOptimizer"),
+    (
+        "horovodrun --mpi --allreduce direct",
+        "MPI; gradients averaged by one MPI allreduce per step (direct)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("how", "summary"), slow_except(LAUNCHES, [LAUNCHES[0], LAUNCHES[2]]))
 def test_mpi_trains_the_same_parameters_as_gloo(
     how: str, summary: str, gloo_run: Path, demo_parquet: Path, tmp_path: Path
 ) -> None:
@@ -73,6 +73,7 @@ def test_mpi_trains_the_same_parameters_as_gloo(
     assert_same_parameters(tmp_path, gloo_run)
 
 
+@pytest.mark.slow
 def test_four_ranks_over_mpi_with_the_direct_allreduce_match_gloo(
     demo_parquet: Path, tmp_path: Path
 ) -> None:
@@ -87,6 +88,7 @@ def test_four_ranks_over_mpi_with_the_direct_allreduce_match_gloo(
     assert_same_parameters(tmp_path / "mpi", tmp_path / "gloo", atol=1e-5)
 
 
+@pytest.mark.slow
 def test_local_sgd_over_mpi_equals_local_sgd_over_gloo(demo_parquet: Path, tmp_path: Path):
     args = ["train", "--data", str(demo_parquet), *ARGS, "--sync-every", "5"]
     for controller in ("mpi", "gloo"):
@@ -96,6 +98,7 @@ def test_local_sgd_over_mpi_equals_local_sgd_over_gloo(demo_parquet: Path, tmp_p
     assert_same_parameters(tmp_path / "mpi", tmp_path / "gloo")
 
 
+@pytest.mark.slow
 def test_fit_over_mpi_equals_fit_over_gloo(demo_parquet: Path, tmp_path: Path) -> None:
     code = (
         "import sys, hvd_cpu, torch\n"
@@ -113,6 +116,7 @@ def test_fit_over_mpi_equals_fit_over_gloo(demo_parquet: Path, tmp_path: Path) -
         assert torch.equal(returned[name], value), "fit returns the model it exported"
 
 
+@pytest.mark.slow
 def test_a_users_mpi4py_program_trains_on_two_halves_of_comm_world(
     demo_parquet: Path, tmp_path: Path
 ) -> None:
@@ -140,6 +144,7 @@ def test_a_users_mpi4py_program_trains_on_two_halves_of_comm_world(
     assert_same_parameters(tmp_path / "lr-0.01", reference)
 
 
+@pytest.mark.slow
 def test_an_mpi_without_thread_support_is_one_clear_error(
     demo_parquet: Path, tmp_path: Path
 ) -> None:

@@ -27,6 +27,7 @@ SCRIPT = REPO / "launch" / "slurm.sbatch"
 JOB_SECONDS = 240  # sbatch --wait's own limit; a hung job is SLURM's to end (--time)
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="the test SLURM cluster runs its daemons as root"),
     pytest.mark.skipif(
         bool(missing_tools()),

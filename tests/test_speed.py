@@ -19,7 +19,7 @@ from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.models import Network, parameter_digest
 from hvd_cpu.optim import adam
 
-from .jobs import BIN, horovodrun, hvd_cpu, load_model, metrics, run
+from .jobs import BIN, horovodrun, hvd_cpu, load_model, metrics, run, slow_except
 
 
 def _local_sgd_by_hand(
@@ -80,6 +80,7 @@ def test_local_sgd_averages_parameters_every_k_steps(demo_parquet: Path, tmp_pat
         torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_sync_every_1_is_the_default_and_one_process_ignores_k(demo_parquet, tmp_path):
     common = ["train", "--data", str(demo_parquet), "--epochs", "2"]
     digests = []
@@ -98,6 +99,7 @@ def test_sync_every_1_is_the_default_and_one_process_ignores_k(demo_parquet, tmp
     assert single[0][0]["param_sha256"] == single[1][0]["param_sha256"]
 
 
+@pytest.mark.slow
 def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     args = ["bench", "--rows", "4096", "--processes", "1,2", "--batch-size", "64,256"]
@@ -173,6 +175,7 @@ def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_bench_refuses_to_run_under_horovodrun_with_one_line_every_time(tmp_path: Path):
     """An error found before Horovod starts: every rank sees it at once, and the line must
     survive the others' exit (it was lost in about half the runs), so ten runs."""
@@ -200,6 +203,7 @@ def test_horovodrun_build_check_is_answered_from_the_cache() -> None:
     assert all("mpi_lib_v2" in fingerprint for fingerprint, _ in cache.values())
 
 
+@pytest.mark.slow
 def test_programmatic_launch_keeps_horovods_default_cycle_time_and_cache() -> None:
     """Horovod 0.28.1's horovod.run() set HOROVOD_CYCLE_TIME='(None,)' (a background thread
     that never sleeps) and HOROVOD_CACHE_CAPACITY='(None,)'; the project's patch fixes it."""
@@ -213,6 +217,7 @@ def test_programmatic_launch_keeps_horovods_default_cycle_time_and_cache() -> No
     assert out.stdout.strip().splitlines()[-1] == "[[None, None], [None, None]]"
 
 
+@pytest.mark.slow
 def test_bench_with_missing_data_says_one_line(tmp_path: Path) -> None:
     job = hvd_cpu("bench", "--data", str(tmp_path / "nope.parquet"), "--processes", "1,2",
                   "--output", str(tmp_path / "b"))  # fmt: skip
@@ -224,7 +229,7 @@ def test_bench_with_missing_data_says_one_line(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("controller", slow_except(["gloo", "mpi"], ["gloo"]))
 def test_a_rank_waiting_for_an_allreduce_sleeps_instead_of_spinning(controller: str) -> None:
     """The wait-sleeps patch: torch's wait for a Horovod collective used to spin on yield(),
     keeping the rank's core from the background thread that does the work. Rank 1 arrives a

@@ -29,6 +29,7 @@ def history(output: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k in RESULTS} for line in lines]
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumed_ends_where_an_uninterrupted_one_does(
     frame_20k: Path, tmp_path: Path
 ) -> None:
@@ -124,24 +125,26 @@ def test_an_earlier_run_is_never_overwritten_by_accident(tmp_path: Path) -> None
     assert "no checkpoint to resume at" in nothing.stderr
 
 
-def test_early_stopping_ends_every_rank_at_the_same_epoch(frame_20k: Path, tmp_path: Path) -> None:
+def test_early_stopping_ends_every_rank_at_the_same_epoch(
+    demo_parquet: Path, tmp_path: Path
+) -> None:
+    """An lr too small to move a float32 weight: the validation loss never improves on epoch 1's,
+    so --patience 2 ends every rank after epoch 3 (the arithmetic is unit-tested in
+    test_schedule.py; this is about the ranks agreeing and the summary saying so)."""
     job = horovodrun(
-        2, "train", "--data", str(frame_20k), "--epochs", "60", "--patience", "2",
-        "--lr", "0.01", "--output", str(tmp_path),
+        2, "train", "--data", str(demo_parquet), "--epochs", "60", "--patience", "2",
+        "--lr", "1e-30", "--output", str(tmp_path),
     )  # fmt: skip
     assert job.returncode == 0, job.stdout + job.stderr
-    epochs = {r["epochs_run"] for r in ranks(tmp_path)}
-    assert len(epochs) == 1
-    stopped = epochs.pop()
-    assert stopped < 60
+    assert [r["epochs_run"] for r in ranks(tmp_path)] == [3, 3]
     losses = [h["val_loss"] for h in history(tmp_path)]
-    assert len(losses) == stopped
-    best = losses.index(min(losses)) + 1
-    assert stopped == best + 2  # two epochs without a better validation loss
+    assert len(losses) == 3 and len(set(losses)) == 1
+    best = 1
     summary = "\n".join(t for _, t in job.rank_lines(0))
     assert re.search(rf"best epoch +{best}\n", summary)
 
 
+@pytest.mark.slow
 def test_predictions_are_the_same_from_one_rank_or_two(frame_20k: Path, tmp_path: Path) -> None:
     trained = hvd_cpu("train", "--data", str(frame_20k), "--epochs", "2", "--output",
                       str(tmp_path / "model"))  # fmt: skip
@@ -199,6 +202,7 @@ def test_fit_runs_two_ranks_from_a_plain_python_process(tmp_path: Path) -> None:
     assert history(tmp_path / "api")[-1]["train_loss"] == pytest.approx(losses[-1], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_a_terminal_gets_a_progress_bar_and_plot_draws_the_curves(
     frame_20k: Path, tmp_path: Path
 ) -> None:
