@@ -8,7 +8,7 @@
 #   docker run --rm hvd-cpu mpirun -np 2 hvd-cpu train                               # MPI
 #
 # Name the controller: plain `horovodrun` picks MPI when it is built in, as here, and MPI pays
-# only with at most one rank per core (README, "Controllers"). Several
+# only with at most one rank per core (docs/usage.md#controllers-gloo-or-mpi). Several
 # containers make one job in multi-host mode (HVD_CPU_SSHD=1, see launch/container-entrypoint.sh).
 #
 # Build arguments: BASE_IMAGE (Debian bookworm: its python3 is the 3.11 that Horovod's build

@@ -2,12 +2,13 @@
 thread on the job's MPI communicator, beside Horovod (which still starts, broadcasts and
 averages metrics).
 
-Why it exists, measured on a 2-core VM (README, "Speed"): Horovod's DistributedOptimizer
-hands each gradient to a background thread that negotiates with the other ranks and runs the
-allreduce on its next cycle. With one core per rank that machinery costs about 0.7-1.5 ms per
-step over MPI, several times a small model's whole step, while MPI's shared-memory transport
-moves the same 705 floats in microseconds. Here the gradients live in one flat buffer (each
-parameter's .grad is a view into it), so the allreduce is one call with no copies.
+Why it exists, measured on a 2-core VM (docs/measurements.md, "Horovod's own overhead"):
+Horovod's DistributedOptimizer hands each gradient to a background thread that negotiates with
+the other ranks and runs the allreduce on its next cycle. With one core per rank that machinery
+costs about 0.7-1.5 ms per step over MPI, several times a small model's whole step, while MPI's
+shared-memory transport moves the same 705 floats in microseconds. Here the gradients live in
+one flat buffer (each parameter's .grad is a view into it), so the allreduce is one call with no
+copies.
 """
 
 from __future__ import annotations

@@ -9,5 +9,5 @@ export PATH=$venv/bin:$PATH
 cd "$repo"
 # The demo is disposable: each run replaces the last one's output.
 # Gloo, named: plain horovodrun picks MPI when it is built in, and MPI with more ranks than
-# cores (4 on a 2-core machine) busy-waits itself slower (README, "Controllers").
+# cores (4 on a 2-core machine) busy-waits itself slower (docs/usage.md#controllers-gloo-or-mpi).
 exec horovodrun --gloo -np 4 hvd-cpu train --output runs/demo --overwrite "$@"

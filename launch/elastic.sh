@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train with Horovod's elastic mode: when a rank or a host dies the others go on, and ranks
-# that come (back) are taken in (README, "Elastic training").
+# that come (back) are taken in (docs/elastic.md).
 #
 #   launch/elastic.sh [hvd-cpu train options...]
 #
@@ -8,7 +8,9 @@
 #
 # Environment (all optional):
 #   HVD_CPU_HOSTFILE  hosts as for launch/run-hosts.sh, re-read every second (edit it to take
-#                     a host out or in); unset: this machine (see launch/discover-hosts.sh)
+#                     a host out or in; a bad one stops this script with one line and exit 2,
+#                     and broken while the job runs, the job keeps the hosts it had); unset:
+#                     this machine (see launch/discover-hosts.sh)
 #   HVD_CPU_SLOTS     without a host file: ranks on this machine (default: its cores)
 #   NP, MIN_NP        ranks to start with (default: every slot) and the fewest to go on with
 #                     (default 1); at most NP run at once

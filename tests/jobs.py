@@ -21,7 +21,8 @@ import torch
 from hvd_cpu.models import Network
 
 BIN = Path(sys.executable).parent
-# Minutes of real jobs: launch/test.sh runs them after the main suite (pytest -m 'not slow').
+# Minutes of real jobs: launch/test.sh runs them after the main suite
+# (pytest -m "not slow and not container").
 SLOW = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 # Launchers prefix each line a rank prints: horovodrun over Gloo with "[rank]<stdout>:", Open

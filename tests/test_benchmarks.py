@@ -1,5 +1,5 @@
 """The benchmark suite runs end to end (on a small frame: its numbers are not checked here,
-they are measured on a quiet machine and written in README)."""
+they are measured on a quiet machine and written in docs/measurements.md)."""
 
 from __future__ import annotations
 

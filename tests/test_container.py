@@ -1,7 +1,7 @@
 """The provided container, built for real from the Dockerfile and run for real.
 
 Slow (a Horovod build inside the image): marked `container` and run by
-launch/test-container.sh, which .ci/run runs after the main suite. The last tests run one job
+launch/test-container.sh, which .ci/run runs after launch/test.sh. The last tests run one job
 over two containers, each in a network namespace of its own (tests/hosts.py): two hosts.
 """
 

@@ -1,7 +1,8 @@
 """Faults of a running `horovodrun --gloo` job: a rank killed, Ctrl-C, SIGTERM, a kill in the
 middle of a checkpoint save. Each ends the job within seconds with a non-zero exit, one line
-saying what happened, no traceback and no process left behind (README, "No rank outlives the
-job"), and the checkpoint it leaves continues with --resume (README, "Resume")."""
+saying what happened, no traceback and no process left behind (docs/hosts.md, "When a rank or
+a host dies"), and the checkpoint it leaves continues with --resume (docs/usage.md, "Validation,
+early stopping, checkpoints")."""
 
 from __future__ import annotations
 

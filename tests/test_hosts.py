@@ -62,7 +62,7 @@ def local_four(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_hosts(hosts: Hosts, output: Path, *args: str, **env: str) -> Run:
-    """launch/run-hosts.sh over both hosts (2 slots each), as the README tells users to."""
+    """launch/run-hosts.sh over both hosts (2 slots each), as docs/hosts.md tells users to."""
     script = str(REPO / "launch" / "run-hosts.sh")
     keys = {"SSH_PORT": str(SSH_PORT), "SSH_KEY": str(hosts.key), "HVD_CPU_VENV": str(BIN.parent)}
     return run(
