@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import click
 
 from hvd_cpu import __version__
-from hvd_cpu.config import SEED_MAX
+from hvd_cpu.config import CHOICES, SEED_MAX
 from hvd_cpu.data.formats import FORMATS, extensions_text
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.lifecycle import exit_now, exit_quietly_on_signals, launch_rank, launch_rank_known
@@ -127,7 +127,7 @@ _data_and_model_options = _stacked(
     ),
     click.option(
         "--task",
-        type=click.Choice(["regression", "classification"]),
+        type=click.Choice(CHOICES["task"]),
         default="regression",
         show_default=True,
         help="regression: MSE loss; classification: cross-entropy, accuracy reported.",
@@ -165,7 +165,7 @@ _data_and_model_options = _stacked(
     ),
     click.option(
         "--activation",
-        type=click.Choice(["none", "relu", "gelu"]),
+        type=click.Choice(CHOICES["activation"]),
         default="none",
         show_default=True,
         help="Activation between the MLP's layers (the seed's has none).",
@@ -213,7 +213,7 @@ _data_and_model_options = _stacked(
 )
 @click.option(
     "--allreduce",
-    type=click.Choice(["horovod", "direct"]),
+    type=click.Choice(CHOICES["allreduce"]),
     default="horovod",
     show_default=True,
     help="How gradients are averaged each step: horovod, hvd.DistributedOptimizer; direct, one "
