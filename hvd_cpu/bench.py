@@ -26,6 +26,7 @@ import torch
 
 from hvd_cpu import dist
 from hvd_cpu.config import CONTROLLER_NAMES, TrainConfig, steps_use_horovod
+from hvd_cpu.cores import default_threads
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.prepare import prepare
 from hvd_cpu.train import build_trainer
@@ -311,12 +312,12 @@ def command_line(setting: Setting, train_config: TrainConfig, cores: int) -> str
     words = ["hvd-cpu", "train"]
     if setting.processes > 1:
         words = ["horovodrun", f"--{setting.controller}", "-np", str(setting.processes), *words]
-    default_threads = max(1, cores // setting.processes)
+    train_default = default_threads(setting.processes, cores)
     for field in fields(TrainConfig):
         value, default = getattr(chosen, field.name), field.default
         if field.name in ("output", "progress") or value == default:
             continue
-        if field.name == "threads" and value == default_threads:
+        if field.name == "threads" and value == train_default:
             continue
         flag = "--target" if field.name == "targets" else "--" + field.name.replace("_", "-")
         if field.name == "targets":
@@ -325,6 +326,8 @@ def command_line(setting: Setting, train_config: TrainConfig, cores: int) -> str
             words.append(flag if value else f"--no-{flag[2:]}")
         elif isinstance(value, tuple):
             words += [flag, ",".join(map(str, value))]
+        elif isinstance(value, dict):
+            words += [flag, json.dumps(value)]
         else:
             words += [flag, str(value)]
     return shlex.join(words)

@@ -36,10 +36,11 @@ def cgroup_cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
         return None
 
 
-def default_threads(local_size: int) -> int:
-    """Torch threads per rank: what SLURM gave each task, else this host's cores shared out
-    among the `local_size` ranks on it (N ranks of N threads each on N cores would thrash)."""
+def default_threads(local_size: int, cores: int | None = None) -> int:
+    """Torch threads per rank: what SLURM gave each task, else this host's cores (`cores`, or
+    the usable ones) shared out among the `local_size` ranks on it (N ranks of N threads each
+    on N cores would thrash)."""
     given = os.environ.get("SLURM_CPUS_PER_TASK")
     if given and given.isdigit() and int(given) > 0:
         return int(given)
-    return max(1, usable_cores() // local_size)
+    return max(1, (cores or usable_cores()) // local_size)

@@ -11,6 +11,7 @@ import pytest
 
 from hvd_cpu import api, bench
 from hvd_cpu.cli import cli
+from hvd_cpu.config import TrainConfig
 from hvd_cpu.cores import usable_cores
 from hvd_cpu.errors import InputError
 from hvd_cpu.lifecycle import RANK_VARIABLES
@@ -93,3 +94,18 @@ def test_the_command_hands_its_options_to_the_api(
     assert given["target"] == ("y",) and given["processes"] == (1, 2)
     assert given["output"] == tmp_path and given["data"] is None
     assert (given["batch_sizes"], given["epochs"], given["overwrite"]) == ((64, 1024), 2, False)
+
+
+@pytest.mark.parametrize(("slurm", "spelled"), [(None, False), ("3", True)])
+def test_the_recommended_command_leaves_out_only_the_threads_train_would_pick(
+    monkeypatch: pytest.MonkeyPatch, slurm: str | None, spelled: bool
+) -> None:
+    """Measured with 2 threads per rank on 4 cores: train picks 2 by itself, unless SLURM's
+    --cpus-per-task says otherwise, and then the command must say --threads 2."""
+    if slurm is None:
+        monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_CPUS_PER_TASK", slurm)
+    setting = bench.Setting(processes=2, threads=2, batch_size=64, sync_every=1)
+    line = bench.command_line(setting, TrainConfig(data=Path("f.parquet")), cores=4)
+    assert ("--threads 2" in line) == spelled, line
