@@ -1,6 +1,14 @@
 """hvd-cpu: data-parallel PyTorch training on CPU processes and hosts with Horovod (MPI or Gloo)."""
 
+import os
 from typing import Any
+
+# Arrow picks its allocator when pyarrow is first imported. Its default, mimalloc, keeps the
+# memory of freed buffers for reuse, so a parquet table converted to pandas stays counted
+# twice; jemalloc, told in data/parquet.py to give freed pages back at once, does not: 0.7 x
+# the rank's part of the table less at its peak, measured (docs/usage.md#big-tables). Your
+# own setting wins.
+os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "jemalloc")
 
 __version__ = "0.1.0"
 __all__ = ["__version__", "benchmark", "fit"]

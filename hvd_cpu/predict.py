@@ -1,7 +1,7 @@
 """Predictions from an exported model: the stored feature transformation, then the model.
 
-Under horovodrun each rank predicts a contiguous block of rows and rank 0 writes them, in
-the input's order, as one file.
+Under horovodrun each rank reads and predicts a contiguous block of rows and rank 0 writes
+them, in the input's order, as one file.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from hvd_cpu import dist
 from hvd_cpu.data.features import FeatureTransform, check_unique_columns
-from hvd_cpu.data.frames import check_writable, format_of, read_frame, write_frame
+from hvd_cpu.data.frames import check_writable, format_of, open_rows, write_frame
 from hvd_cpu.errors import InputError
 from hvd_cpu.model_files import ModelFile
 from hvd_cpu.models import build_model
@@ -36,18 +36,23 @@ class PredictConfig:
     overwrite: bool = False
 
 
-def load(config: PredictConfig, writes: bool) -> tuple[nn.Module, FeatureTransform, pd.DataFrame]:
-    """The model, its transformation and the new rows, with their columns checked; the rank
-    that `writes` the output first checks that it can."""
+def load(
+    config: PredictConfig, world: dist.World
+) -> tuple[nn.Module, FeatureTransform, pd.DataFrame]:
+    """The model, its transformation and this rank's contiguous block of the new rows, with
+    their columns checked; rank 0, which writes the output, first checks that it can. Parquet
+    is read block by block: a rank reads only the row groups its block lies in."""
     format_of(config.output)
     if config.output.exists() and not config.overwrite:
         raise InputError(f"{config.output} exists; pass --overwrite to replace it")
-    if writes:
+    if world.is_root:
         check_writable(config.output)
     model, transform = load_model(config.model_path)
-    frame = read_frame(config.data, config.format)
-    check_columns(frame, transform, config.id_column)
-    return model, transform, frame
+    rows = open_rows(config.data, config.format)
+    count = rows.rows
+    block = rows.frame(world.rank * count // world.size, (world.rank + 1) * count // world.size)
+    check_columns(block, transform, config.id_column)
+    return model, transform, block
 
 
 def load_model(path: Path) -> tuple[nn.Module, FeatureTransform]:
@@ -134,9 +139,7 @@ def predictions(
 def predict(config: PredictConfig) -> pd.DataFrame | None:
     """Predict on every rank's block of rows; rank 0 writes them all and returns them."""
     world = dist.init()
-    model, transform, frame = dist.agreed(lambda: load(config, world.is_root))
-    rows = len(frame)
-    block = frame.iloc[world.rank * rows // world.size : (world.rank + 1) * rows // world.size]
+    model, transform, block = dist.agreed(lambda: load(config, world))
     # agreed: a value that does not parse may sit in one rank's block only
     mine = dist.agreed(lambda: predictions(model, transform, block, config.id_column))
     parts = dist.gather(mine, "predictions")

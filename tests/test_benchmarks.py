@@ -38,3 +38,21 @@ def test_benchmark_suite_runs_every_contender(tmp_path: Path) -> None:
         assert plain["threshold"] == plain["final_val_loss"]
         assert plain["time_to_loss_s"] is not None
     assert "| contender |" in (tmp_path / "results.md").read_text()
+
+
+def test_memory_benchmark_writes_its_table(tmp_path: Path) -> None:
+    results = tmp_path / "memory.md"
+    done = run(
+        [sys.executable, str(REPO / "benchmarks" / "memory.py"), "--rows", "20000",
+         "--row-group-size", "2000", "--np", "1,2", "--cache", str(tmp_path / "cache"),
+         "--results", str(results)],
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = results.read_text()
+    assert "20,000 rows x 25 float32 columns in 10 row groups" in text
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| 1 ")]
+    rows += [line.split("|") for line in text.splitlines() if line.startswith("| 2 ")]
+    assert [row[2].strip() for row in rows] == ["20,000", "10,000, 10,000"]
+    assert all(float(peak.replace(",", "")) > 0 for row in rows for peak in row[5].split(", "))
+    assert len(list((tmp_path / "cache").glob("*.parquet"))) == 1  # the table, cached

@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 
 from hvd_cpu.data.demo import make_demo_frame
-from hvd_cpu.data.frames import assign_row_groups, read_frame, read_parquet_shard, write_frame
+from hvd_cpu.data.frames import parquet_rows, read_frame, write_frame
+from hvd_cpu.data.parquet import assign_pieces
 from hvd_cpu.errors import InputError
 
 from .jobs import hvd_cpu
@@ -67,7 +68,7 @@ def test_an_empty_frame_is_an_input_error(tmp_path: Path, suffix: str) -> None:
         read_frame(path)
     if suffix == ".parquet":
         with pytest.raises(InputError, match="the data has no rows"):
-            read_parquet_shard(path, 0, 1)
+            parquet_rows(path)
 
 
 def test_format_option_overrides_the_extension(tmp_path: Path) -> None:
@@ -85,16 +86,16 @@ def test_format_option_overrides_the_extension(tmp_path: Path) -> None:
         ([7], 1, [(0, 1)]),
     ],
 )
-def test_row_groups_split_into_contiguous_non_empty_runs(rows, size, expected) -> None:
-    assert [(r.start, r.stop) for r in assign_row_groups(rows, size)] == expected
+def test_pieces_split_into_contiguous_non_empty_runs(rows, size, expected) -> None:
+    assert [(r.start, r.stop) for r in assign_pieces(rows, size)] == expected
 
 
 def test_shard_reads_give_each_rank_its_own_rows(tmp_path: Path) -> None:
     path = tmp_path / "frame.parquet"
     frame = make_demo_frame(rows=1000, features=2)
     frame.to_parquet(path, row_group_size=100)
-    shards = [read_parquet_shard(path, rank, 3) for rank in range(3)]
+    shards = [parquet_rows(path).shard(rank, 3).frame() for rank in range(3)]
     pd.testing.assert_frame_equal(pd.concat(shards, ignore_index=True), frame)
     assert [len(s) for s in shards] == [400, 300, 300]
     with pytest.raises(InputError, match="has 10 row group"):
-        read_parquet_shard(path, 0, 11)
+        parquet_rows(path).shard(0, 11)

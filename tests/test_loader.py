@@ -115,3 +115,18 @@ def test_ranks_that_change_mid_epoch_neither_drop_nor_repeat_rows(before: int, a
     assert len(rest) == -(-(rows - skip) // after) * after  # padded to equal shards, as before
     assert not set(done) & set(rest)
     assert sorted(set(done) | set(rest)) == list(range(rows))
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize(("rows", "size"), [(50, 3), (96, 4), (7, 1)])
+def test_every_sampler_orders_as_a_tensor_what_it_iterates(rows, size, shuffle) -> None:
+    for rank in range(size):
+        samplers = [
+            global_sampler(rows, rank, size, shuffle, seed=5),
+            ResumableSampler(rows, rank, size, shuffle, seed=5),
+            LocalShardSampler(rows - rank, rows, rank, shuffle, seed=5),
+        ]
+        for sampler in samplers:
+            for epoch in (0, 3):
+                sampler.set_epoch(epoch)
+                assert sampler.order().tolist() == list(sampler)

@@ -9,9 +9,10 @@ is plain data (JSON), saved next to the model and applied again by `predict`.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
@@ -23,6 +24,7 @@ from hvd_cpu.errors import InputError
 Task = Literal["regression", "classification"]
 Kind = Literal["numeric", "bool", "datetime", "timedelta", "category", "empty"]
 MISSING_LEVEL = "<missing>"
+BATCH = 65_536  # rows encoded at a time
 DATETIME_PARTS = ("year", "month", "day", "day_of_week", "hour")
 NUMBERS = ("integer", "floating", "mixed-integer-float", "decimal", "empty")
 # What a classification target may hold: values that name a class and survive features.json.
@@ -164,13 +166,14 @@ class FeatureTransform:
     def n_outputs(self) -> int:
         return len(self.classes) if self.task == "classification" else len(self.targets)
 
-    def features(self, frame: pd.DataFrame) -> np.ndarray:
-        """The float32 feature matrix, filled and scaled, written column by column."""
+    def features(self, frame: pd.DataFrame, out: np.ndarray | None = None) -> np.ndarray:
+        """The float32 feature matrix, filled and scaled, written column by column (into
+        `out`, rows of a bigger matrix, if given)."""
         missing = [c.name for c in self.inputs if c.name not in frame.columns]
         if missing:
             raise InputError(f"the data lacks feature column(s) {', '.join(missing)}")
         scale = {c.name: c for c in self.outputs}
-        x = np.empty((len(frame), len(self.outputs)), dtype=np.float32)
+        x = np.empty((len(frame), len(self.outputs)), np.float32) if out is None else out
         index = {c.name: i for i, c in enumerate(self.outputs)}
         for column in self.inputs:
             for name, values in column.expand(frame[column.name]):
@@ -180,15 +183,25 @@ class FeatureTransform:
                     x[:, index[name]] = (values - out.mean) / out.std
         return x
 
-    def targets_of(self, frame: pd.DataFrame) -> np.ndarray:
-        """Targets as the loss wants them: scaled float32 columns or int64 class indices."""
+    def targets_of(self, frame: pd.DataFrame, out: np.ndarray | None = None) -> np.ndarray:
+        """Targets as the loss wants them: scaled float32 columns or int64 class indices
+        (written into `out`, rows of a bigger array, if given)."""
+        out = np.empty(self._target_shape(len(frame)), self._target_type) if out is None else out
         if self.task == "classification":
-            codes = pd.Categorical(frame[self.targets[0]], categories=list(self.classes)).codes
-            return codes.astype(np.int64)
+            out[:] = pd.Categorical(frame[self.targets[0]], categories=list(self.classes)).codes
+            return out
         y = frame[list(self.targets)].to_numpy(np.float64, na_value=np.nan, copy=True)
         for i, scale in enumerate(self.target_scale):
             y[:, i] = (y[:, i] - scale.mean) / scale.std
-        return np.ascontiguousarray(y, dtype=np.float32)
+        out[:] = y
+        return out
+
+    @property
+    def _target_type(self) -> type:
+        return np.int64 if self.task == "classification" else np.float32
+
+    def _target_shape(self, rows: int) -> tuple[int, ...]:
+        return (rows,) if self.task == "classification" else (rows, len(self.targets))
 
     def valid_rows(self, frame: pd.DataFrame) -> np.ndarray:
         """Rows whose targets can be trained on: present, and finite for regression."""
@@ -199,11 +212,28 @@ class FeatureTransform:
 
     def arrays(self, frame: pd.DataFrame) -> Arrays:
         """The training matrices of this frame, rows with an unusable target left out."""
-        valid = self.valid_rows(frame)
-        if not valid.all():  # filtering copies the frame: only when there is something to drop
-            frame = frame[valid]
-        names = tuple(c.name for c in self.outputs)
-        return Arrays(self.features(frame), self.targets_of(frame), names)
+        batches = (frame.iloc[i : i + BATCH] for i in range(0, len(frame), BATCH))
+        return self.encode(batches, len(frame))
+
+    def encode(self, batches: Iterable[pd.DataFrame], rows: int) -> Arrays:
+        """The training matrices of `rows` rows that come in batches, rows with an unusable
+        target left out. Each batch is written into matrices made once, so memory holds them
+        and one batch: neither the whole frame nor whole-column temporaries beside them."""
+        x = np.empty((rows, self.n_features), np.float32)
+        y = np.empty(self._target_shape(rows), self._target_type)
+        filled = 0
+        for batch in batches:
+            valid = self.valid_rows(batch)
+            if not valid.all():  # filtering copies the batch: only when there is something to drop
+                batch = batch[valid]
+            end = filled + len(batch)
+            self.features(batch, x[filled:end])
+            self.targets_of(batch, y[filled:end])
+            filled = end
+        if filled < rows:  # in place: the freed tail goes back to the system, nothing is copied
+            x.resize((filled, self.n_features), refcheck=False)
+            y.resize(self._target_shape(filled), refcheck=False)
+        return Arrays(x, y, tuple(c.name for c in self.outputs))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -336,6 +366,21 @@ def check_unique_columns(names: list[str]) -> None:
             f"duplicate column names in the data: {', '.join(duplicates)}; rename them so each "
             "column has its own name"
         )
+
+
+def text_column_names(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
+    """Column names as the command line and features.json name them: text. Numbers (a frame
+    built from a matrix) become their text, so `--target 7` names column 7; a MultiIndex has no
+    one name to give, so flattening it is the user's choice."""
+    if isinstance(frame.columns, pd.MultiIndex):
+        raise InputError(
+            f"{path} has MultiIndex columns (e.g. {frame.columns[0]!r}); flatten them to text "
+            "names (frame.columns = ['_'.join(map(str, c)) for c in frame.columns]) and save it "
+            "again"
+        )
+    if not all(isinstance(name, str) for name in frame.columns):
+        frame.columns = [str(name) for name in frame.columns]
+    return frame
 
 
 def _select(frame: pd.DataFrame, selection: Selection) -> list[str]:
@@ -504,18 +549,26 @@ def _statistics(
     expanded one at a time, twice, rather than held: memory stays at one column.
     """
 
-    def expanded() -> Iterator[tuple[str, str, np.ndarray]]:
+    def over_columns(reduce: Callable[[np.ndarray, int], Any]) -> list[tuple[str, str, Any]]:
+        """(input column, output column, reduce(its float64 values, its index)) for each."""
+        results: list[tuple[str, str, Any]] = []
         for column in inputs:
             for name, values in column.expand(frame[column.name]):
-                yield column.name, name, values
+                results.append((column.name, name, reduce(values, len(results))))
+                del values  # before the next is expanded: one column in memory, not two
+        return results
 
-    names, firsts = [], []
-    for source, name, values in expanded():
-        names.append((source, name))
-        firsts.append((np.isfinite(values).sum(), np.nansum(values)))
-    counts, sums = collectives.sum(np.array(firsts, np.float64).reshape(-1)).reshape(-1, 2).T
+    firsts = over_columns(lambda values, _: (np.isfinite(values).sum(), _nansum(values)))
+    names = [(source, name) for source, name, _ in firsts]
+    sums_in = np.array([first for *_, first in firsts], np.float64).reshape(-1)
+    counts, sums = collectives.sum(sums_in).reshape(-1, 2).T
     means = np.divide(sums, counts, out=np.zeros_like(sums), where=counts > 0)
-    squares = [np.nansum((v - m) ** 2) for (*_, v), m in zip(expanded(), means, strict=True)]
+    squares = [
+        square
+        for *_, square in over_columns(
+            lambda v, i: _nansum(np.square(np.subtract(v, means[i], out=v), out=v))
+        )
+    ]
     squares = collectives.sum(np.array(squares, np.float64))
     rows = collectives.sum(np.array([len(frame)], np.float64))[0]
     stds = np.sqrt(squares / rows) if rows else np.zeros_like(squares)
@@ -523,6 +576,13 @@ def _statistics(
         name: ColumnStatistics(source, int(count), float(mean), float(std))
         for (source, name), count, mean, std in zip(names, counts, means, stds, strict=True)
     }
+
+
+def _nansum(values: np.ndarray) -> float:
+    """np.nansum(values), the same sum, but in place: `values` (a fresh copy) is overwritten
+    rather than copied again, which on a long column is a column's worth of memory."""
+    values[np.isnan(values)] = 0
+    return values.sum()
 
 
 def _numbers(series: pd.Series, name: str) -> pd.Series:

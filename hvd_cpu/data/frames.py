@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import csv
 import errno
-import itertools
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from hvd_cpu.atomic import atomic_write
-from hvd_cpu.data.features import check_unique_columns
+from hvd_cpu.data.features import BATCH, check_unique_columns, text_column_names
 from hvd_cpu.data.formats import EXTENSIONS
+from hvd_cpu.data.parquet import Pieces
 from hvd_cpu.errors import InputError, RunFailed
 
 
 def _read_parquet(path: Path) -> pd.DataFrame:
-    return _to_pandas(pq.ParquetFile(path, pre_buffer=False).read())
-
-
-def _to_pandas(table: pa.Table) -> pd.DataFrame:
-    """Convert without holding the Arrow and pandas copies at once (peak memory ~1x, not 3x)."""
-    return table.to_pandas(split_blocks=True, self_destruct=True)
+    return parquet_rows(path).frame()
 
 
 # Keyed by formats.FORMATS. Unpickling runs whatever code the file names: only load pickles
@@ -59,8 +52,21 @@ def format_of(path: Path, override: str | None = None) -> str:
     return EXTENSIONS[suffix]
 
 
+def data_format(path: Path, override: str | None = None) -> str:
+    """The format to read --data in: a folder is a parquet dataset (its part files), a file
+    is read by `format_of`."""
+    if not path.is_dir():
+        return format_of(path, override)
+    if override not in (None, "parquet"):
+        raise InputError(
+            f"{path} is a folder, which hvd-cpu reads as a parquet dataset, not as "
+            f"{override}; leave out --format or point --data at one {override} file"
+        )
+    return "parquet"
+
+
 def _check_exists(path: Path) -> None:
-    if not path.is_file():
+    if not path.exists():
         raise InputError(
             f"data file not found: {path}; check the path (it must exist on every host)"
         )
@@ -73,14 +79,26 @@ def _unreadable(path: Path, fmt: str, exc: Exception) -> InputError:
     )
 
 
+def parquet_rows(path: Path) -> Pieces:
+    """A parquet file or folder, opened to be read piece by piece; it must hold rows."""
+    _check_exists(path)
+    pieces = Pieces.open(path)
+    if pieces.rows == 0:
+        raise InputError(f"the data has no rows: {path} is empty")
+    return pieces
+
+
 def read_frame(path: Path, fmt: str | None = None) -> pd.DataFrame:
-    """Read a whole DataFrame file; a missing, unreadable or empty file is the user's to fix."""
-    fmt = format_of(path, fmt)
+    """Read a whole DataFrame file or parquet folder; a missing, unreadable or empty one is
+    the user's to fix."""
+    fmt = data_format(path, fmt)
     _check_exists(path)
     if fmt == "csv":
         _check_csv_header(path)
     try:
         frame = READERS[fmt](path)
+    except InputError:
+        raise
     except Exception as exc:  # any reader failure means the file is not what it claims
         raise _unreadable(path, fmt, exc) from exc
     if not isinstance(frame, pd.DataFrame):
@@ -90,7 +108,7 @@ def read_frame(path: Path, fmt: str | None = None) -> pd.DataFrame:
         )
     if len(frame) == 0:
         raise InputError(f"the data has no rows: {path} is empty")
-    return _text_column_names(frame, path)
+    return text_column_names(frame, path)
 
 
 def _check_csv_header(path: Path) -> None:
@@ -111,57 +129,30 @@ def _check_csv_header(path: Path) -> None:
     check_unique_columns([name for name in names if name])
 
 
-def _text_column_names(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
-    """Column names as the command line and features.json name them: text. Numbers (a frame
-    built from a matrix) become their text, so `--target 7` names column 7; a MultiIndex has no
-    one name to give, so flattening it is the user's choice."""
-    if isinstance(frame.columns, pd.MultiIndex):
-        raise InputError(
-            f"{path} has MultiIndex columns (e.g. {frame.columns[0]!r}); flatten them to text "
-            "names (frame.columns = ['_'.join(map(str, c)) for c in frame.columns]) and save it "
-            "again"
-        )
-    if not all(isinstance(name, str) for name in frame.columns):
-        frame.columns = [str(name) for name in frame.columns]
-    return frame
+class InMemory:
+    """A frame read whole (any format but a parquet source): parts and batches are views."""
+
+    def __init__(self, frame: pd.DataFrame) -> None:
+        self.whole = frame
+
+    @property
+    def rows(self) -> int:
+        return len(self.whole)
+
+    def frame(self, start: int = 0, stop: int | None = None) -> pd.DataFrame:
+        return self.whole.iloc[start:stop]
+
+    def batches(self) -> Iterator[pd.DataFrame]:
+        for start in range(0, len(self.whole), BATCH):
+            yield self.whole.iloc[start : start + BATCH]
 
 
-def read_parquet_shard(path: Path, rank: int, size: int) -> pd.DataFrame:
-    """Read only this rank's contiguous run of row groups (about 1/size of the rows).
-
-    Per-rank memory is then about 1/size of the table; row groups are the unit because
-    parquet cannot read part of one without decoding all of it.
-    """
-    _check_exists(path)
-    try:
-        parquet = pq.ParquetFile(path, pre_buffer=False)
-        rows = [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)]
-        if sum(rows) == 0:
-            raise InputError(f"the data has no rows: {path} is empty")
-        if len(rows) < size:
-            raise InputError(
-                f"{path} has {len(rows)} row group(s), fewer than the {size} ranks, so "
-                "--shard-read cannot give every rank rows; rewrite it with smaller row groups "
-                "(e.g. frame.to_parquet(path, row_group_size=100_000)) or drop --shard-read"
-            )
-        frame = _to_pandas(parquet.read_row_groups(list(assign_row_groups(rows, size)[rank])))
-    except InputError:
-        raise
-    except Exception as exc:
-        raise _unreadable(path, "parquet", exc) from exc
-    return frame
-
-
-def assign_row_groups(rows: list[int], size: int) -> list[range]:
-    """Split row groups (given their row counts) into `size` contiguous, non-empty runs of
-    about equal rows. Needs at least `size` row groups."""
-    starts = list(itertools.accumulate(rows, initial=0))
-    bounds = [0]
-    for rank in range(1, size):
-        first = bisect.bisect_left(starts, rank * starts[-1] / size)
-        bounds.append(min(max(first, bounds[-1] + 1), len(rows) - (size - rank)))
-    bounds.append(len(rows))
-    return [range(bounds[r], bounds[r + 1]) for r in range(size)]
+def open_rows(path: Path, fmt: str | None = None) -> Pieces | InMemory:
+    """The rows of --data, ready to be read in parts and batches: parquet stays on disk until
+    then (`Pieces`), other formats are read whole now."""
+    if data_format(path, fmt) == "parquet":
+        return parquet_rows(path)
+    return InMemory(read_frame(path, fmt))
 
 
 def check_writable(path: Path) -> None:
