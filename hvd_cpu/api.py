@@ -66,7 +66,10 @@ def fit(
             data.to_pickle(path)
         else:
             path = Path(data)
-        config = replace(config, data=path, output=Path(config.output).absolute())
+        board = config.tensorboard and Path(config.tensorboard).absolute()
+        config = replace(
+            config, data=path, output=Path(config.output).absolute(), tensorboard=board
+        )
         if comm is not None:
             return train(config, comm=comm)
         return dist.launch(_rank_main, (config,), np=np, hosts=hosts, controller=controller)[0]

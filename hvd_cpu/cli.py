@@ -6,6 +6,7 @@ only, as one line, with exit code 2: N copies of a usage message help nobody.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -15,7 +16,8 @@ from typing import Any, NoReturn
 import click
 
 from hvd_cpu import __version__
-from hvd_cpu.config import CHOICES, SEED_MAX
+from hvd_cpu.config import CHOICES, LOSS_NAMES, SEED_MAX
+from hvd_cpu.config_file import config_option
 from hvd_cpu.data.formats import FORMATS, extensions_text
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.lifecycle import exit_now, exit_quietly_on_signals, launch_rank, launch_rank_known
@@ -71,6 +73,21 @@ def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int,
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
 
 
+def _json_object(
+    ctx: click.Context, param: click.Parameter, value: str | dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """A JSON object (a table or mapping when it comes from a --config file)."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"{value!r} is not JSON ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise click.BadParameter(f"{value!r} is not a JSON object like '{{\"name\": 1}}'")
+    return parsed
+
+
 def _stacked(*decorators: Callable[[Callable[..., None]], Callable[..., None]]) -> Callable:
     """One decorator applying several, so commands can share a group of options."""
 
@@ -100,8 +117,9 @@ _lr_option = click.option(
 _data_and_model_options = _stacked(
     click.option(
         "--data",
-        type=click.Path(path_type=Path, dir_okay=False),
-        help=f"DataFrame file: {extensions_text()}. Default: a generated demo frame.",
+        type=click.Path(path_type=Path),
+        help=f"DataFrame file ({extensions_text()}) or a folder of parquet files (Spark, Dask; "
+        "key=value folders become columns). Default: a generated demo frame.",
     ),
     _format_option,
     click.option(
@@ -147,13 +165,22 @@ _data_and_model_options = _stacked(
     click.option(
         "--shard-read",
         is_flag=True,
-        help="Parquet: each rank reads only its own row groups (about 1/N of the memory); "
+        help="Parquet file or folder: each rank reads only its own row groups (about 1/N of "
+        "the memory); "
         "rows are then shuffled within each rank's shard.",
     ),
     click.option(
         "--model",
-        metavar="MODULE:CLASS|FILE.py:CLASS",
-        help="Your own torch.nn.Module, built as CLASS(n_features=..., n_outputs=...).",
+        metavar="MODULE:NAME|FILE.py:NAME",
+        help="Your own torch.nn.Module class, or a function returning one; built with the "
+        "feature count for a parameter named like input_size (or its only one) and the output "
+        "count for one named like n_outputs.",
+    ),
+    click.option(
+        "--model-args",
+        callback=_json_object,
+        metavar="JSON",
+        help="More keyword arguments for --model, e.g. '{\"hidden\": 64}'.",
     ),
     click.option(
         "--hidden",
@@ -174,7 +201,14 @@ _data_and_model_options = _stacked(
 
 
 @cli.command()
+@config_option
 @_data_and_model_options
+@click.option(
+    "--loss",
+    metavar=f"{'|'.join(LOSS_NAMES)}|MODULE:FN",
+    help="Regression loss (default mse; huber moves less for outliers), or your own "
+    "fn(output, target) returning the batch's mean. Classification: cross-entropy.",
+)
 @click.option("--epochs", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option(
     "--batch-size",
@@ -288,6 +322,30 @@ _data_and_model_options = _stacked(
     help="A progress bar per epoch. Default: when stdout is a terminal.",
 )
 @click.option("--quiet", is_flag=True, help="No epoch lines, progress or summary.")
+@click.option(
+    "--tensorboard",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    metavar="DIR",
+    help="Rank 0 writes the job's one TensorBoard event file here (needs hvd-cpu[tracking]).",
+)
+@click.option(
+    "--mlflow",
+    is_flag=True,
+    help="Rank 0 logs one MLflow run per job to MLFLOW_TRACKING_URI: the config, each "
+    "epoch's metrics, model.pt (needs hvd-cpu[tracking]).",
+)
+@click.option(
+    "--mlflow-experiment",
+    metavar="NAME",
+    help="--mlflow: the experiment, made if missing. Default: MLFLOW_EXPERIMENT_NAME, else "
+    "hvd-cpu.",
+)
+@click.option(
+    "--mlflow-run-name",
+    metavar="NAME",
+    help="--mlflow: the run's name. Default: one MLflow makes up.",
+)
 def train(**options: object) -> None:
     """Train a model on a DataFrame: by default the seed's MLP (Linear(n,32) -> Linear(32,1),
     MSE, Adam) on every column but the target."""
@@ -307,9 +365,10 @@ def train(**options: object) -> None:
 )
 @click.option(
     "--data",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=click.Path(path_type=Path),
     required=True,
-    help="The rows to predict, with the training's feature columns.",
+    help="The rows to predict, with the training's feature columns: a file or a folder of "
+    "parquet files.",
 )
 @_format_option
 @click.option(
@@ -339,6 +398,7 @@ def plot(output: Path) -> None:
 
 
 @cli.command()
+@config_option
 @_data_and_model_options
 @click.option(
     "--rows",
@@ -426,8 +486,8 @@ def bench(**options: Any) -> None:
 )
 @click.option(
     "--data",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="The data file the job will read; checked on every host.",
+    type=click.Path(path_type=Path),
+    help="The data file or parquet folder the job will read; checked on every host.",
 )
 def doctor(
     hostfile: Path | None, ssh_port: int | None, ssh_identity_file: Path | None, data: Path | None

@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from hvd_cpu.data.formats import FORMATS
 from hvd_cpu.errors import InputError
+from hvd_cpu.user_code import is_spec
 
 # The demo frame used when no --data is given: small enough that ten epochs over four ranks
 # on two cores take seconds, and that the loss still falls in each of them (on 20 000 rows the
@@ -25,6 +26,9 @@ def steps_use_horovod(allreduce: str, sync_every: int) -> bool:
     Horovod's background thread can cycle slowly (dist.IDLE_CYCLE_MS)."""
     return allreduce == "horovod" and sync_every == 1
 
+
+# --loss by name (losses.py builds them); anything with a ":" is the user's MODULE:FN.
+LOSS_NAMES = ("mse", "l1", "huber")
 
 # The options with a fixed set of values (the command line's choices; fit() passes anything).
 CHOICES = {
@@ -51,9 +55,11 @@ class TrainConfig:
     shard_read: bool = False  # each rank reads only its row groups of a parquet file
     # the model
     model: str | None = None  # "package.module:Class" or "file.py:Class"; None: the MLP below
+    model_args: dict[str, Any] | None = None  # more keyword arguments for --model
     hidden: tuple[int, ...] = (32,)
     activation: Literal["none", "relu", "gelu"] = "none"
     # the optimisation
+    loss: str | None = None  # a LOSS_NAMES or "module:fn"; None: MSE, or cross-entropy
     epochs: int = 10
     batch_size: int = 64  # per rank; the global batch is batch_size x world size
     lr: float = 1e-3  # Adam's default, before scaling by the world size
@@ -85,6 +91,12 @@ class TrainConfig:
     overwrite: bool = False
     progress: bool | None = None  # None: a progress bar when stdout is a terminal
     quiet: bool = False
+    # experiment tracking, by rank 0 only (tracking.py; the tracking extra)
+    tensorboard: Path | None = None  # a folder for the job's one TensorBoard event file
+    mlflow: bool = False  # one MLflow run per job, on the server of MLFLOW_TRACKING_URI
+    # None: MLFLOW_EXPERIMENT_NAME if set, else "hvd-cpu" (made if missing)
+    mlflow_experiment: str | None = None
+    mlflow_run_name: str | None = None  # None: a name MLflow makes up
 
     # Options that change what the model is: a checkpoint only resumes with the same ones.
     ARCHITECTURE: ClassVar[tuple[str, ...]] = (
@@ -93,6 +105,7 @@ class TrainConfig:
         "drop",
         "task",
         "model",
+        "model_args",
         "hidden",
         "activation",
     )
@@ -128,15 +141,37 @@ class TrainConfig:
         if any(size < 1 for size in self.hidden):
             raise InputError(f"hidden layer sizes must be at least 1, got {self.hidden}")
         if self.shard_read and self.data is None:
-            raise InputError("--shard-read reads a parquet file: pass it with --data")
+            raise InputError("--shard-read reads a parquet file or folder: pass it with --data")
         if not 0 <= self.val_fraction < 1:
             raise InputError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.patience is not None and self.val_fraction == 0:
             raise InputError("--patience watches the validation loss: set --val-fraction above 0")
         if self.resume and self.overwrite:
             raise InputError("--resume continues the checkpoint, --overwrite discards it: pick one")
+        for name in ("mlflow_experiment", "mlflow_run_name"):
+            if getattr(self, name) is not None and not self.mlflow:
+                option = "--" + name.replace("_", "-")
+                raise InputError(f"{option} names what --mlflow logs to: add --mlflow")
+        if self.model_args is not None and self.model is None:
+            raise InputError("--model-args go to your own --model: name it with --model")
+        self._check_loss()
         if self.elastic:
             self._check_elastic()
+
+    def _check_loss(self) -> None:
+        """A name that is no loss, or a regression loss for classes, before any data is read."""
+        if self.loss is None or is_spec(self.loss):
+            return
+        if self.loss not in LOSS_NAMES:
+            raise InputError(
+                f"--loss {self.loss!r} is not one of {', '.join(LOSS_NAMES)} or MODULE:FN "
+                "(your own)"
+            )
+        if self.task == "classification":
+            raise InputError(
+                f"--loss {self.loss} is a regression loss; classification trains with "
+                "cross-entropy (leave out --loss) or your own MODULE:FN"
+            )
 
     def _check_elastic(self) -> None:
         """--elastic reshares rows and rescales the lr whenever ranks come or go, which only

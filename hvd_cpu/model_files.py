@@ -19,7 +19,7 @@ import torch
 
 from hvd_cpu.atomic import atomic_write
 from hvd_cpu.errors import InputError
-from hvd_cpu.models import portable_spec
+from hvd_cpu.user_code import portable_spec
 
 if TYPE_CHECKING:
     from torch import nn
@@ -121,6 +121,7 @@ class ModelFile:
             features=transform.to_dict(),
             architecture={
                 "model": config.model and portable_spec(config.model),
+                "model_args": config.model_args,
                 "hidden": list(config.hidden),
                 "activation": config.activation,
                 "n_features": transform.n_features,

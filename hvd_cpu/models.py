@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib
-import importlib.util
-import io
+import inspect
 import itertools
-import sys
-from pathlib import Path
-from types import ModuleType
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from hvd_cpu.errors import InputError
+from hvd_cpu.user_code import import_object
 
 ACTIVATIONS = {"none": None, "relu": nn.ReLU, "gelu": nn.GELU}
 
@@ -52,71 +49,95 @@ class Network(nn.Module):
         return last(data)
 
 
-def load_model_class(spec: str) -> type[nn.Module]:
-    """`package.module:ClassName` or `path/to/file.py:ClassName` -> the class."""
-    where, _, name = spec.rpartition(":")
-    if not where or not name:
-        raise InputError(f"--model {spec!r} is not MODULE:CLASS or FILE.py:CLASS")
-    if where.endswith(".py") and not Path(where).is_file():
-        raise InputError(f"--model file not found: {where}; check the path on every host")
-    # What the module prints while it imports is held back: when the import fails, each rank
-    # would print it, and the error is what the user needs to see.
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            module = _import(where)
-    except SystemExit as exc:  # a training script's own argument parsing or exit
-        said = [line for line in (out.getvalue() + err.getvalue()).splitlines() if line.strip()]
+# Constructor parameters hvd-cpu fills, named as people name them (torch's own Linear says
+# in_features/out_features, the seed's Network says input_size).
+FEATURE_PARAMETERS = (
+    "n_features", "input_size", "in_features", "n_inputs", "input_dim", "in_dim",
+    "num_features", "num_inputs",
+)  # fmt: skip
+OUTPUT_PARAMETERS = (
+    "n_outputs", "output_size", "out_features", "output_dim", "out_dim", "num_outputs",
+    "n_classes", "num_classes",
+)  # fmt: skip
+ANY_ARGUMENTS = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def load_model_factory(spec: str) -> Callable[..., nn.Module]:
+    """`MODULE:NAME` or `FILE.py:NAME` -> a torch.nn.Module subclass, or a function making one."""
+    factory = import_object(spec, "--model")
+    if isinstance(factory, type) and not issubclass(factory, nn.Module):
+        raise InputError(f"--model {spec!r}: {factory.__name__} is not a torch.nn.Module subclass")
+    if not callable(factory):
         raise InputError(
-            f"--model {spec!r}: importing {where} ended the program (exit code {exc.code}"
-            + (f": {said[-1].strip()}" if said else "")
-            + "); put the file's own code under `if __name__ == '__main__':` or keep the "
-            "class in a file of its own"
-        ) from exc
-    except Exception as exc:  # the user's code can fail in any way while importing
-        raise InputError(
-            f"--model {spec!r}: cannot import {where}: {type(exc).__name__}: {exc}; "
-            "check that it imports on its own (python -c 'import ...') on every host"
-        ) from exc
-    sys.stdout.write(out.getvalue())
-    sys.stderr.write(err.getvalue())
-    cls = getattr(module, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise InputError(f"--model {spec!r}: {where} has no torch.nn.Module subclass {name!r}")
-    return cls
+            f"--model {spec!r} names a {type(factory).__name__}, not a torch.nn.Module class "
+            "or a function returning a model"
+        )
+    return factory
 
 
-def _import(where: str) -> ModuleType:
-    """The module `where` names: a dotted module path, or a FILE.py."""
-    if not where.endswith(".py"):
-        return importlib.import_module(where)
-    path = Path(where)
-    module_spec = importlib.util.spec_from_file_location(f"hvd_cpu_user.{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_spec.name] = module
-    module_spec.loader.exec_module(module)
-    return module
-
-
-def portable_spec(spec: str) -> str:
-    """A --model spec that still works from another working directory (FILE.py made absolute)."""
-    where, _, name = spec.rpartition(":")
-    return f"{Path(where).absolute()}:{name}" if where.endswith(".py") else spec
-
-
-def build_user_model(spec: str, n_features: int, n_outputs: int) -> nn.Module:
-    """Build the user's class as `ClassName(n_features=..., n_outputs=...)` and check, before
-    any rank trains, what training needs of it: one row of n_outputs per input row whatever
-    the batch size, and an output that gradients flow back from into parameters."""
-    cls = load_model_class(spec)
-    built = f"{cls.__name__}(n_features={n_features}, n_outputs={n_outputs})"
+def model_arguments(
+    factory: Callable[..., nn.Module], n_features: int, n_outputs: int, model_args: dict[str, Any]
+) -> dict[str, Any]:
+    """What to build the user's model with, read from its signature: the feature count for a
+    parameter named like input_size (or for the only required one), the output count for one
+    named like n_outputs, --model-args for the rest. Refuses, naming them, arguments it
+    cannot fill and --model-args the model does not take."""
+    name = getattr(factory, "__name__", "the model")
     try:
-        model = cls(n_features=n_features, n_outputs=n_outputs)
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # e.g. a C function: nothing to read
+        return dict(model_args)
+    parameters = {n: p for n, p in signature.parameters.items() if p.kind not in ANY_ARGUMENTS}
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
+        unknown = [key for key in model_args if key not in parameters]
+        if unknown:
+            raise InputError(
+                f"--model-args {unknown[0]!r} is not a parameter of {name}{signature}; "
+                "pass only the parameters it takes"
+            )
+    arguments = dict(model_args)
+    counts = dict.fromkeys(FEATURE_PARAMETERS, n_features) | dict.fromkeys(
+        OUTPUT_PARAMETERS, n_outputs
+    )
+    for parameter in parameters:
+        if parameter not in arguments and parameter in counts:
+            arguments[parameter] = counts[parameter]
+    unfilled = [n for n, p in parameters.items() if n not in arguments and p.default is p.empty]
+    if (
+        unfilled
+        and unfilled == list(parameters)[:1]
+        and not set(parameters) & set(FEATURE_PARAMETERS)
+    ):
+        arguments[unfilled.pop()] = n_features  # Network(input_size)'s one size, however named
+    if unfilled:
+        raise InputError(
+            f"--model: cannot build {name}{signature}: nothing to give "
+            f"{', '.join(map(repr, unfilled))}; hvd-cpu gives the feature count ({n_features}) "
+            "to a parameter named like input_size, in_features or n_features (or to the only "
+            f"one), the output count ({n_outputs}) to one named like n_outputs or out_features, "
+            f"and the rest come from --model-args '{{\"{unfilled[0]}\": ...}}'"
+        )
+    return arguments
+
+
+def build_user_model(
+    spec: str, n_features: int, n_outputs: int, model_args: dict[str, Any] | None = None
+) -> nn.Module:
+    """Build the user's model from what its constructor asks for and check, before any rank
+    trains, what training needs of it: one row of n_outputs per input row whatever the batch
+    size, and an output that gradients flow back from into parameters."""
+    factory = load_model_factory(spec)
+    arguments = model_arguments(factory, n_features, n_outputs, model_args or {})
+    name = getattr(factory, "__name__", spec)
+    built = f"{name}({', '.join(f'{k}={v!r}' for k, v in arguments.items())})"
+    try:
+        model = factory(**arguments)
     except Exception as exc:
+        raise InputError(f"--model {spec!r}: {built} failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
         raise InputError(
-            f"--model {spec!r}: {built} failed: {type(exc).__name__}: {exc}; its __init__ "
-            "must take the keyword arguments n_features and n_outputs"
-        ) from exc
+            f"--model {spec!r}: {built} returned a {type(model).__name__}, not a torch.nn.Module"
+        )
     if not any(p.requires_grad for p in model.parameters()):
         raise InputError(f"--model {spec!r}: {built} has no trainable parameters")
     with torch.enable_grad():
@@ -144,11 +165,16 @@ def build_user_model(spec: str, n_features: int, n_outputs: int) -> nn.Module:
 
 
 def build_model(
-    model: str | None, hidden: tuple[int, ...], activation: str, n_features: int, n_outputs: int
+    model: str | None,
+    hidden: tuple[int, ...],
+    activation: str,
+    n_features: int,
+    n_outputs: int,
+    model_args: dict[str, Any] | None = None,
 ) -> nn.Module:
-    """The user's Module if `model` names one, else the MLP."""
+    """The user's model if `model` names one, else the MLP."""
     if model:
-        return build_user_model(model, n_features, n_outputs)
+        return build_user_model(model, n_features, n_outputs, model_args)
     return Network(n_features, tuple(hidden), n_outputs, activation)
 
 

@@ -13,11 +13,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import torch
 from torch import nn
 
-from hvd_cpu import dist
+from hvd_cpu import dist, tracking
 from hvd_cpu.config import DEMO_FEATURES, DEMO_ROWS, TrainConfig
 from hvd_cpu.data.demo import make_demo_frame
 from hvd_cpu.data.features import (
@@ -27,8 +26,10 @@ from hvd_cpu.data.features import (
     Selection,
     fit,
 )
-from hvd_cpu.data.frames import format_of, read_frame, read_parquet_shard
+from hvd_cpu.data.frames import InMemory, data_format, open_rows, parquet_rows
+from hvd_cpu.data.parquet import Pieces
 from hvd_cpu.errors import InputError
+from hvd_cpu.losses import Loss, build_loss, check_loss
 from hvd_cpu.model_files import CHECKPOINT, Checkpoint
 from hvd_cpu.models import build_model
 
@@ -43,13 +44,16 @@ class Prepared:
     val_rows: torch.Tensor  # this rank's validation rows
     train_length: int  # --shard-read: the longest shard's training rows (others pad to it)
     model: nn.Module
+    loss_fn: Loss
     resumed: Checkpoint | None  # rank 0: the checkpoint to continue from
 
 
 def check_output(config: TrainConfig, world: dist.World) -> Checkpoint | None:
-    """Rank 0: refuse to overwrite an earlier run's checkpoint, or load it for --resume."""
+    """Rank 0: refuse to overwrite an earlier run's checkpoint, or load it for --resume; and
+    check that the tracking asked for can log (only rank 0 logs)."""
     if not world.is_root:
         return None
+    tracking.check(config)
     # Folders made only to test writing go again: the run makes them when it has something to
     # write, so one that stops on bad input leaves no empty folder behind.
     made = [folder for folder in (config.output, *config.output.parents) if not folder.exists()]
@@ -99,37 +103,40 @@ def checked_output(config: TrainConfig, world: dist.World) -> Checkpoint | None:
     return dist.agreed(lambda: check_output(config, world), world)
 
 
-def read_rows(config: TrainConfig, world: dist.World) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(the rows this rank trains from, its disjoint part of the rows for fitting statistics).
+def read_rows(config: TrainConfig, world: dist.World) -> tuple[Pieces | InMemory, int, int | None]:
+    """(the rows this rank trains from, the bounds of its disjoint part of them for fitting
+    statistics).
 
-    By default every rank reads the whole frame and fits on a 1/size slice of it; with
-    --shard-read a rank reads only its own row groups and fits on all of them.
+    By default every rank trains from the whole table and fits on a 1/size slice of it; with
+    --shard-read a rank has only its own pieces and fits on all of them. Parquet stays on disk
+    until it is needed: first the part for the fit, then batch by batch into the matrices.
     """
     if config.data is None:
-        frame = make_demo_frame(DEMO_ROWS, DEMO_FEATURES, seed=config.seed)
+        rows: Pieces | InMemory = InMemory(make_demo_frame(DEMO_ROWS, DEMO_FEATURES, config.seed))
     elif config.shard_read:
-        if format_of(config.data, config.format) != "parquet":
-            raise InputError("--shard-read reads parquet files only; convert the data to parquet")
-        frame = read_parquet_shard(config.data, world.rank, world.size)
-        return frame, frame
+        if data_format(config.data, config.format) != "parquet":
+            raise InputError(
+                "--shard-read reads parquet files and folders only; convert the data to parquet"
+            )
+        return parquet_rows(config.data).shard(world.rank, world.size), 0, None
     else:
-        frame = read_frame(config.data, config.format)
-    if len(frame) < world.size:
+        rows = open_rows(config.data, config.format)
+    if rows.rows < world.size:
         raise InputError(
-            f"the data has {len(frame)} row(s), fewer than the {world.size} ranks; "
+            f"the data has {rows.rows} row(s), fewer than the {world.size} ranks; "
             "use fewer ranks (-np) or more rows"
         )
-    rows = len(frame)
-    part = frame.iloc[world.rank * rows // world.size : (world.rank + 1) * rows // world.size]
-    return frame, part
+    count = rows.rows
+    return rows, world.rank * count // world.size, (world.rank + 1) * count // world.size
 
 
 def encode(
     config: TrainConfig, world: dist.World, fitted: dict[str, Any] | None
 ) -> tuple[FeatureTransform, Arrays]:
-    """Read this rank's rows, fit the transformation over all ranks (or take the resumed
-    one), and encode the rows. The DataFrame is dropped on return."""
-    frame, part = dist.agreed(lambda: read_rows(config, world), world)
+    """Read this rank's part, fit the transformation over all ranks (or take the resumed
+    one), then encode this rank's rows batch by batch into matrices made once: the part is
+    dropped before, so the frame and the matrices are not in memory together (for parquet)."""
+    rows, start, stop = dist.agreed(lambda: read_rows(config, world), world)
     if fitted is not None:
         transform = FeatureTransform.from_dict(fitted)
     else:
@@ -137,7 +144,7 @@ def encode(
         collectives = OneProcess() if world.size == 1 else dist.Collectives()
         transform = dist.agreed(
             lambda: fit(
-                part,
+                rows.frame(start, stop),
                 selection,
                 config.task,
                 config.max_categories,
@@ -146,14 +153,19 @@ def encode(
             ),
             world,
         )
-    return transform, dist.agreed(lambda: transform.arrays(frame), world)
+    return transform, dist.agreed(lambda: transform.encode(rows.batches(), rows.rows), world)
 
 
 def split(rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training rows, validation rows): a hold-out fixed by the seed, sorted."""
-    order = np.random.default_rng(seed).permutation(rows)
+    """(training rows, validation rows): a hold-out fixed by the seed, sorted (in place: both
+    are views of one permutation). int32 below 2**31 rows: half the memory, the same order."""
+    dtype = np.int32 if rows < 2**31 else np.int64
+    order = np.random.default_rng(seed).permutation(np.arange(rows, dtype=dtype))
     held = round(rows * fraction)
-    return torch.from_numpy(np.sort(order[held:])), torch.from_numpy(np.sort(order[:held]))
+    train, val = order[held:], order[:held]
+    train.sort()
+    val.sort()
+    return torch.from_numpy(train), torch.from_numpy(val)
 
 
 def prepare(config: TrainConfig, world: dist.World) -> Prepared:
@@ -186,15 +198,22 @@ def prepare(config: TrainConfig, world: dist.World) -> Prepared:
             f"({lengths[world.rank]} here after holding out --val-fraction {config.val_fraction})"
         )
 
-    def build() -> nn.Module:
+    def build() -> tuple[nn.Module, Loss]:
         torch.manual_seed(config.seed)  # every rank builds the same start; rank 0's is broadcast
-        return build_model(
+        model = build_model(
             config.model,
             config.hidden,
             config.activation,
             transform.n_features,
             transform.n_outputs,
+            config.model_args,
         )
+        loss_fn = build_loss(config.loss, config.task)
+        if config.loss is not None:  # the user's choice meets the model's output once, here
+            sample = train_rows[:2]
+            output = model(torch.from_numpy(arrays.x[sample]))
+            check_loss(loss_fn, config.loss, output, torch.from_numpy(arrays.y[sample]))
+        return model, loss_fn
 
-    model = dist.agreed(build, world)
-    return Prepared(transform, arrays, train_rows, val_rows, max(lengths), model, resumed)
+    model, loss_fn = dist.agreed(build, world)
+    return Prepared(transform, arrays, train_rows, val_rows, max(lengths), model, loss_fn, resumed)

@@ -13,10 +13,14 @@ from tqdm import tqdm
 
 from hvd_cpu.atomic import atomic_write
 from hvd_cpu.config import CONTROLLER_NAMES, TrainConfig
+from hvd_cpu.config_file import RECORD, record
+from hvd_cpu.model_files import MODEL
+from hvd_cpu.tracking import Tracking
 
 if TYPE_CHECKING:
     from hvd_cpu.train import LoopState
 
+FEATURES = "features.json"
 # Above this share of training time spent waiting, more processes are not paying for themselves.
 WAITING_HINT = 0.5
 
@@ -109,13 +113,18 @@ class Records:
         ) and not config.quiet
         self.bar: Progress | None = None
         self.started = time.perf_counter()
+        # Before the first epoch: a tracker that cannot start ends the job (RunFailed) here.
+        params = {**config.to_dict(), "world_size": world_size, "controller": controller}
+        self.tracking = Tracking(config, params)
 
     def start(self, notes: list[str], history: list[dict[str, Any]]) -> None:
-        """Say what data preparation changed; metrics.jsonl restarts from the resumed history."""
+        """Say what data preparation changed; metrics.jsonl restarts from the resumed history;
+        config.toml holds the options that repeat the run."""
         for note in notes:
             say(f"hvd-cpu: {note}", sys.stderr)
         self.output.mkdir(parents=True, exist_ok=True)
         self.metrics_path.write_text("".join(json.dumps(h) + "\n" for h in history))
+        record(self.config, self.output / RECORD)
 
     def progress(self, epoch: int, batches: int) -> Progress | None:
         if self.show_progress:
@@ -131,6 +140,13 @@ class Records:
             say(metrics.line())
         with self.metrics_path.open("a") as handle:
             handle.write(json.dumps(metrics.record()) + "\n")
+        self.tracking.epoch(metrics)
+
+    def close(self, failed: bool) -> None:
+        """End the tracking: log the exported model and its features once training worked."""
+        if not failed:
+            self.tracking.finished([self.output / MODEL, self.output / FEATURES])
+        self.tracking.close(failed)
 
     def summary(self, state: LoopState) -> None:
         """The closing table: epochs, best validation, time, throughput."""
@@ -180,7 +196,7 @@ class Records:
 
     def features(self, transform: dict[str, Any]) -> None:
         """The fitted feature transformation, for predict and for the curious."""
-        self._write_json("features.json", transform)
+        self._write_json(FEATURES, transform)
 
     def ranks(self, reports: list[dict[str, Any]]) -> None:
         """What each rank says about itself: host, threads, shard size, parameter digest."""

@@ -34,6 +34,7 @@ from hvd_cpu.data.loader import (
 )
 from hvd_cpu.direct_allreduce import FlatGradients
 from hvd_cpu.errors import InputError, RunFailed
+from hvd_cpu.losses import Loss
 from hvd_cpu.model_files import CHECKPOINT, MODEL, Checkpoint, ModelFile
 from hvd_cpu.models import parameter_digest
 from hvd_cpu.optim import adam
@@ -113,7 +114,7 @@ class Validation:
         self.rows = self.held_out[rank::size]
 
     def evaluate(
-        self, model: nn.Module, loss_fn: nn.Module, classification: bool
+        self, model: nn.Module, loss_fn: Loss, classification: bool
     ) -> tuple[float, float | None]:
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, rows, correct
         model.eval()
@@ -140,6 +141,7 @@ class Trainer:
         self,
         config: TrainConfig,
         model: nn.Module,
+        loss_fn: Loss,
         batches: ShardedBatches,
         validation: Validation | None,
         world: dist.World,
@@ -165,7 +167,7 @@ class Trainer:
         self.batches = batches
         self.validation = validation
         self.classification = config.task == "classification"
-        self.loss_fn = nn.CrossEntropyLoss() if self.classification else nn.MSELoss()
+        self.loss_fn = loss_fn
         self.state = LoopState()
         self._scale_to(world_size)
 
@@ -316,12 +318,15 @@ def write_epoch(
 def written_by_root(
     world: dist.World, write: Callable[[], None], output: Path, saved: int | None
 ) -> None:
-    """Rank 0 writes; then every rank learns whether that worked, so a full disk ends all of
-    them with one line (and no peer is left waiting in the next collective)."""
+    """Rank 0 writes; then every rank learns whether that worked, so a full disk (or a tracking
+    server that cannot start a run) ends all of them with one line (and no peer is left
+    waiting in the next collective)."""
     failure = None
     if world.is_root:
         try:
             write()
+        except RunFailed as exc:
+            failure = str(exc)
         except OSError as exc:
             kept = f"{CHECKPOINT} there holds epoch {saved}" if saved else "no checkpoint was kept"
             failure = (
@@ -360,6 +365,7 @@ def rank_report(world: dist.World, trainer: Trainer, first_step_unix: float) -> 
         "threads": world.threads,
         "controller": world.controller,
         "shard_rows": len(trainer.batches.sampler),
+        "rows_read": len(trainer.batches.x),  # encoded here: all rows, or its own (--shard-read)
         "epochs_run": trainer.state.epoch,
         "first_step_unix": round(first_step_unix, 3),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -390,7 +396,7 @@ def build_trainer(
         arrays = prepared.arrays
         x, y = torch.from_numpy(arrays.x), torch.from_numpy(arrays.y)
         validation = Validation(x, y, prepared.val_rows)
-    return Trainer(config, model, batches, validation, world)
+    return Trainer(config, model, prepared.loss_fn, batches, validation, world)
 
 
 class Job:
@@ -467,8 +473,14 @@ class Job:
             records.features(transform.to_dict())
             ModelFile.export(self.config, model, transform).save(self.config.output / MODEL)
             records.summary(trainer.state)
+            records.close(failed=False)
 
         self._write_root(world, write_results)
+
+    def close(self, failed: bool) -> None:
+        """Rank 0 ends its tracking; a job that fails marks its MLflow run failed."""
+        if self.records:
+            self.records.close(failed)
 
     # --elastic
 
@@ -526,17 +538,22 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
     prepared = prepare(config, world)
     trainer = build_trainer(config, world, prepared, prepared.model)
     job = Job(config, prepared, trainer)
-    if config.elastic:
-        state = dist.ElasticState(job.capture, job.apply, job.sync)
-        try:
-            dist.run_elastic(state, partial(job.run_elastic, state), config.max_restarts)
-        except RunFailed as failed:
-            kept = f"{config.output / CHECKPOINT} holds epoch {job.saved_epoch}"
-            raise RunFailed(
-                f"{failed}; {kept if job.saved_epoch else 'no checkpoint was written'}: find "
-                "what ends the ranks, then run again with --resume (or raise --max-restarts)"
-            ) from failed
-    else:
-        job.start(world, prepared.resumed)
-        job.run(world)
+    try:
+        if config.elastic:
+            state = dist.ElasticState(job.capture, job.apply, job.sync)
+            try:
+                dist.run_elastic(state, partial(job.run_elastic, state), config.max_restarts)
+            except RunFailed as failed:
+                kept = f"{config.output / CHECKPOINT} holds epoch {job.saved_epoch}"
+                raise RunFailed(
+                    f"{failed}; {kept if job.saved_epoch else 'no checkpoint was written'}: "
+                    "find what ends the ranks, then run again with --resume (or raise "
+                    "--max-restarts)"
+                ) from failed
+        else:
+            job.start(world, prepared.resumed)
+            job.run(world)
+    except BaseException:
+        job.close(failed=True)
+        raise
     return TrainResult(trainer.model, prepared.transform, trainer.state.history)

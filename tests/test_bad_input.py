@@ -36,6 +36,11 @@ def bad_model(tmp: Path, body: str) -> str:
     return f"{tmp / 'user_model.py'}:Model"
 
 
+def bad_loss(tmp: Path, body: str) -> str:
+    (tmp / "user_loss.py").write_text(f"import torch\n{body}\n")
+    return f"{tmp / 'user_loss.py'}:loss"
+
+
 WRONG_SHAPE = """
 class Model(torch.nn.Module):
     def __init__(self, n_features, n_outputs):
@@ -153,9 +158,9 @@ CASES: dict[str, Case] = {
 }
 # Kinds that one process meets as every rank does: cheap to run alone, nothing to agree on.
 PLAIN_CASES: dict[str, Case] = {
-    "a folder as --data": (
+    "a folder of other files as --data": (
         lambda tmp, demo: ["--data", str(tmp)],
-        r"Invalid value for '--data'.*is a directory",
+        r"cannot read .* as parquet: ArrowInvalid: .*check that every file in it is parquet",
     ),
     "semicolon-separated csv": (
         lambda tmp, demo: csv(tmp, demo.to_csv(sep=";", index=False)),
@@ -189,10 +194,72 @@ PLAIN_CASES: dict[str, Case] = {
         lambda tmp, demo: [
             *data(demo, tmp),
             "--model",
-            bad_model(tmp, WRONG_SHAPE.replace("n_features, n_outputs", "inputs")),
+            bad_model(tmp, WRONG_SHAPE.replace("n_features, n_outputs", "inputs, layers")),
         ],
-        r"--model .*Model\(n_features=8, n_outputs=1\) failed: TypeError: .*must take the "
-        r"keyword arguments n_features and n_outputs",
+        r"--model: cannot build Model\(inputs, layers\): nothing to give 'inputs', 'layers'; "
+        r".*feature count \(8\).*--model-args '\{\"inputs\": \.\.\.\}'",
+    ),
+    "model constructor that fails": (
+        lambda tmp, demo: [
+            *data(demo, tmp),
+            "--model",
+            bad_model(tmp, WRONG_SHAPE.replace("super().__init__()", "raise ValueError('no')")),
+        ],
+        r"--model .*Model\(n_features=8, n_outputs=1\) failed: ValueError: no",
+    ),
+    "model argument it does not take": (
+        lambda tmp, demo: [
+            *data(demo, tmp),
+            "--model",
+            bad_model(tmp, RIGHT_SHAPE),
+            "--model-args",
+            '{"width": 64}',
+        ],
+        r"--model-args 'width' is not a parameter of Model\(n_features, n_outputs\)",
+    ),
+    "model args not JSON": (
+        lambda tmp, demo: ["--model", "m.py:M", "--model-args", "{width: 64}"],
+        r"Invalid value for '--model-args': '\{width: 64\}' is not JSON",
+    ),
+    "model args without a model": (
+        lambda tmp, demo: ["--model-args", '{"width": 64}'],
+        r"--model-args go to your own --model: name it with --model",
+    ),
+    "model factory returns no module": (
+        lambda tmp, demo: [
+            *data(demo, tmp),
+            "--model",
+            bad_model(tmp, "def Model(n_features):\n    return [n_features]"),
+        ],
+        r"--model .*Model\(n_features=8\) returned a list, not a torch\.nn\.Module",
+    ),
+    "tensorboard folder under a file": (
+        lambda tmp, demo: ["--tensorboard", str(_write(tmp / "afile", b"x") / "board")],
+        r"cannot write .*afile/board/events: .*afile is a file, not a folder",
+    ),
+    "unknown loss": (
+        lambda tmp, demo: ["--loss", "hubber"],
+        r"--loss 'hubber' is not one of mse, l1, huber or MODULE:FN",
+    ),
+    "regression loss for classes": (
+        lambda tmp, demo: ["--loss", "huber", "--task", "classification"],
+        r"--loss huber is a regression loss; classification trains with cross-entropy",
+    ),
+    "loss that is not one number": (
+        lambda tmp, demo: [
+            *data(demo, tmp),
+            "--loss",
+            bad_loss(tmp, "def loss(output, target):\n    return (output - target) ** 2"),
+        ],
+        r"--loss .*returned a tensor of shape \(2, 1\); return one number",
+    ),
+    "loss that fails": (
+        lambda tmp, demo: [
+            *data(demo, tmp),
+            "--loss",
+            bad_loss(tmp, "def loss(output):\n    return output.mean()"),
+        ],
+        r"--loss .*failed on an output of shape \(2, 1\) .*TypeError: .*fn\(output, target\)",
     ),
     "model without parameters": (
         lambda tmp, demo: [*data(demo, tmp), "--model", bad_model(tmp, NO_PARAMETERS)],

@@ -39,6 +39,7 @@ BIN = Path(sys.executable).parent
 PAGES = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
 SHELL = ("bash", "sh", "console")
 OTHER_BLOCKS = ("python", "")  # python is compiled; unlabelled blocks are output, not commands
+CONFIG_BLOCKS = ("toml", "yaml")  # --config files: read by `hvd-cpu train --config`
 NOT_CHECKED = re.compile(r"<!--\s*not checked:\s*(\S.*?)\s*-->")
 MAX_NOT_CHECKED = 3
 
@@ -274,15 +275,24 @@ def check_simple(words: list[str]) -> None:
 
 @contextlib.contextmanager
 def paths_need_not_exist(command: click.Command) -> Iterator[None]:
-    """Parse paths the user will have (a training's output) without asking for them here."""
+    """Parse paths the user will have (a training's output) without asking for them here, nor
+    reading the files that eager options read (--config: test_config_blocks_parse checks the
+    pages' config files)."""
     paths = [p.type for p in command.params if isinstance(p.type, click.Path) and p.type.exists]
+    readers = {
+        p: p.callback for p in command.params if p.is_eager and isinstance(p.type, click.Path)
+    }
     for path in paths:
         path.exists = False
+    for reader in readers:
+        reader.callback = None
     try:
         yield
     finally:
         for path in paths:
             path.exists = True
+        for reader, callback in readers.items():
+            reader.callback = callback
 
 
 def check_hvd_cpu(args: list[str]) -> None:
@@ -500,7 +510,7 @@ def test_every_block_is_a_known_kind() -> None:
     wrong = [
         f"{b.where}: ```{b.lang}"
         for b in all_blocks()
-        if b.lang not in SHELL and b.lang not in OTHER_BLOCKS
+        if b.lang not in (*SHELL, *OTHER_BLOCKS, *CONFIG_BLOCKS)
     ]
     prompts = [
         f"{b.where}: a '$ ' line in a block that is not ```console"
@@ -617,6 +627,22 @@ def test_paths_named_in_the_text_exist(page: Path) -> None:
 )
 def test_python_blocks_compile(block: Block) -> None:
     compile("\n".join(block.body), block.where, "exec")
+
+
+@pytest.mark.parametrize(
+    "block", [b for b in all_blocks() if b.lang in CONFIG_BLOCKS], ids=lambda b: b.where
+)
+def test_config_blocks_parse(block: Block, tmp_path: Path) -> None:
+    """A page's config file gives `hvd-cpu train` options it has, with values it takes."""
+    from hvd_cpu.cli import cli
+
+    config = tmp_path / f"run.{block.lang}"
+    config.write_text("\n".join(block.body) + "\n")
+    train = cli.commands["train"]
+    try:
+        train.make_context("hvd-cpu train", ["--config", str(config)])
+    except click.ClickException as exc:
+        pytest.fail(exc.format_message())
 
 
 def layout() -> list[str]:

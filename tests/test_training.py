@@ -247,7 +247,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path: Path) -
         saved = torch.load(disk / "run" / "checkpoint.pt", weights_only=True)
         assert saved["loop"]["epoch"] == 1
         assert sorted(p.name for p in (disk / "run").iterdir()) == [
-            "checkpoint.pt", "metrics.jsonl"
+            "checkpoint.pt", "config.toml", "metrics.jsonl"
         ]  # fmt: skip
     finally:
         subprocess.run(["umount", str(disk)], check=False)
