@@ -24,7 +24,7 @@ from hvd_cpu.errors import InputError
 Task = Literal["regression", "classification"]
 Kind = Literal["numeric", "bool", "datetime", "timedelta", "category", "empty"]
 MISSING_LEVEL = "<missing>"
-BATCH = 65_536  # rows encoded at a time
+BATCH = 65_536  # rows encoded (and decoded from parquet) at a time
 DATETIME_PARTS = ("year", "month", "day", "day_of_week", "hour")
 NUMBERS = ("integer", "floating", "mixed-integer-float", "decimal", "empty")
 # What a classification target may hold: values that name a class and survive features.json.
@@ -212,8 +212,7 @@ class FeatureTransform:
 
     def arrays(self, frame: pd.DataFrame) -> Arrays:
         """The training matrices of this frame, rows with an unusable target left out."""
-        batches = (frame.iloc[i : i + BATCH] for i in range(0, len(frame), BATCH))
-        return self.encode(batches, len(frame))
+        return self.encode(row_batches(frame), len(frame))
 
     def encode(self, batches: Iterable[pd.DataFrame], rows: int) -> Arrays:
         """The training matrices of `rows` rows that come in batches, rows with an unusable
@@ -366,6 +365,12 @@ def check_unique_columns(names: list[str]) -> None:
             f"duplicate column names in the data: {', '.join(duplicates)}; rename them so each "
             "column has its own name"
         )
+
+
+def row_batches(frame: pd.DataFrame) -> Iterator[pd.DataFrame]:
+    """`frame` BATCH rows at a time, as views."""
+    for start in range(0, len(frame), BATCH):
+        yield frame.iloc[start : start + BATCH]
 
 
 def text_column_names(frame: pd.DataFrame, path: Path) -> pd.DataFrame:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from hvd_cpu.atomic import atomic_write
-from hvd_cpu.data.features import BATCH, check_unique_columns, text_column_names
+from hvd_cpu.data.features import check_unique_columns, row_batches, text_column_names
 from hvd_cpu.data.formats import EXTENSIONS
 from hvd_cpu.data.parquet import Pieces
 from hvd_cpu.errors import InputError, RunFailed
@@ -143,8 +143,7 @@ class InMemory:
         return self.whole.iloc[start:stop]
 
     def batches(self) -> Iterator[pd.DataFrame]:
-        for start in range(0, len(self.whole), BATCH):
-            yield self.whole.iloc[start : start + BATCH]
+        return row_batches(self.whole)
 
 
 def open_rows(path: Path, fmt: str | None = None) -> Pieces | InMemory:

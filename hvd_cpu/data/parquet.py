@@ -20,10 +20,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from hvd_cpu.data.features import text_column_names
+from hvd_cpu.data.features import BATCH, text_column_names
 from hvd_cpu.errors import InputError
 
-BATCH = 65_536  # rows decoded at a time when a piece is read batch by batch
 # Column chunks read as they are decoded, not the whole row group's first (pre-buffering
 # holds a compressed row group beside the decoded batches: measured, 40 MB more at the peak).
 SCAN = ds.ParquetFragmentScanOptions(pre_buffer=False)
