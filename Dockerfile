@@ -11,12 +11,13 @@
 # only with at most one rank per core (docs/usage.md#controllers-gloo-or-mpi). Several
 # containers make one job in multi-host mode (HVD_CPU_SSHD=1, see launch/container-entrypoint.sh).
 #
-# Build arguments: BASE_IMAGE (Debian bookworm: its python3 is the 3.11 that Horovod's build
-# needs), TORCH_SPEC, TORCH_INDEX_URL (where CPU-only torch wheels come from; empty: the
-# default index, which serves CUDA builds of several GB), PIP_FIND_LINKS (a folder of wheels
-# mounted at build time) and PIP_CERT (a CA bundle mounted at build time, behind a
-# TLS-inspecting proxy), both optional.
-ARG BASE_IMAGE=docker.io/library/debian:bookworm-slim
+# Build arguments: BASE_IMAGE (Debian 13 trixie, Python 3.13; docker.io/library/debian:bookworm-slim
+# gives Debian 12 with Python 3.11), TORCH_SPEC, TORCH_INDEX_URL (where CPU-only torch wheels
+# come from; empty: the default index, which serves CUDA builds of several GB), PIP_FIND_LINKS
+# (a folder of wheels mounted at build time) and PIP_CERT (a CA bundle mounted at build time,
+# behind a TLS-inspecting proxy: added to the build stage's trust store, which is all that
+# trixie's pip reads), both optional.
+ARG BASE_IMAGE=docker.io/library/debian:trixie-slim
 
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_SPEC=torch==2.13.0
@@ -25,15 +26,20 @@ ARG PIP_FIND_LINKS=
 ARG PIP_CERT=
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      python3 python3-venv python3-dev g++ make cmake patch ca-certificates \
+      python3 python3-venv python3-dev g++ make cmake ca-certificates \
       openmpi-bin libopenmpi-dev \
- && rm -rf /var/lib/apt/lists/*
+ && rm -rf /var/lib/apt/lists/* \
+ && if [ -n "$PIP_CERT" ]; then cat "$PIP_CERT" >>/etc/ssl/certs/ca-certificates.crt; fi
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY hvd_cpu hvd_cpu
 COPY launch launch
 # The same install script as a local set-up; a regular (not editable) install into /opt/venv.
-RUN env HVD_CPU_VENV=/opt/venv HVD_CPU_EDITABLE=0 HVD_CPU_CACHE=/tmp/hvd-cpu-cache \
+# HVD_CPU_CACHE may name a cache folder mounted at build time that holds a Horovod wheel
+# built for this image's Debian, Python, torch and Open MPI (its cache key); the default is
+# empty and thrown away.
+ARG HVD_CPU_CACHE=/tmp/hvd-cpu-cache
+RUN env HVD_CPU_VENV=/opt/venv HVD_CPU_EDITABLE=0 HVD_CPU_CACHE="$HVD_CPU_CACHE" \
     TORCH_SPEC="$TORCH_SPEC" TORCH_INDEX_URL="$TORCH_INDEX_URL" PIP_NO_CACHE_DIR=1 \
     ${PIP_FIND_LINKS:+PIP_FIND_LINKS=$PIP_FIND_LINKS} ${PIP_CERT:+PIP_CERT=$PIP_CERT} \
     bash launch/install.sh \

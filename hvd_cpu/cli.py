@@ -501,6 +501,30 @@ def doctor(
     sys.exit(0 if all(c.ok for c in checks) else 1)
 
 
+@cli.command("install-horovod")
+@click.option(
+    "--cache",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Where built wheels are kept. Default: HVD_CPU_CACHE, else ~/.cache/hvd-cpu.",
+)
+@click.option("--without-mpi", is_flag=True, help="Build Gloo only, even with Open MPI here.")
+@click.option("--rebuild", is_flag=True, help="Build again even if a cached wheel fits.")
+def install_horovod(cache: Path | None, without_mpi: bool, rebuild: bool) -> None:
+    """Build and install the patched Horovod for this environment's torch (once: later runs
+    take the cached wheel, or do nothing when it is installed). MPI where Open MPI is found."""
+    from hvd_cpu.horovod_build import InstallError, install
+
+    try:
+        install(cache, mpi=not without_mpi, rebuild=rebuild, say=_say_installing)
+    except InstallError as exc:
+        click.echo(f"hvd-cpu install-horovod: error: {exc}", err=True)
+        sys.exit(1)
+
+
+def _say_installing(message: str) -> None:
+    click.echo(f"install-horovod: {message}", err=True)
+
+
 @cli.command("make-demo-data")
 @click.argument("path", type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--rows", type=click.IntRange(min=1), default=100_000, show_default=True)

@@ -39,6 +39,10 @@ from hvd_cpu.cores import default_threads
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.lifecycle import arrange_ending
 
+# How a Gloo-only build (made where no Open MPI was installed) gets MPI.
+WITH_MPI = (
+    "install Open MPI (Debian/Ubuntu: openmpi-bin libopenmpi-dev) and rerun hvd-cpu install-horovod"
+)
 # Set by an MPI launcher (mpirun, horovodrun --mpi, srun --mpi=pmix), not by horovodrun --gloo.
 MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 # Horovod's background thread runs a collective with every other rank each cycle, busy or not.
@@ -176,8 +180,8 @@ def check_mpi_launcher() -> None:
     """Before launching over MPI: this Horovod must have MPI, and mpirun must be there."""
     if not hvd.mpi_built():
         raise InputError(
-            "this Horovod was built without MPI; rebuild it with launch/install.sh, or use "
-            "the Gloo controller (horovodrun --gloo, controller='gloo')"
+            f"this Horovod was built without MPI; {WITH_MPI}, or use the Gloo controller "
+            "(controller='gloo')"
         )
     if shutil.which("mpirun") is None:
         raise InputError(
@@ -313,8 +317,8 @@ def _mpi_communicator(comm: Any) -> Any:
     by mpi4py (which asks for MPI_THREAD_MULTIPLE) and checked for what Horovod needs."""
     if not hvd.mpi_built():
         raise InputError(
-            "started by an MPI launcher, but this Horovod was built without MPI; rebuild it "
-            "with launch/install.sh, or launch with horovodrun --gloo"
+            "started by an MPI launcher, but this Horovod was built without MPI; "
+            f"{WITH_MPI}, or launch with horovodrun --gloo"
         )
     from mpi4py import MPI
 

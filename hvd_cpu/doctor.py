@@ -16,7 +16,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,6 @@ class Check:
 
 def probe(data: str | None) -> dict[str, Any]:
     """What this host says about itself (runs on every host)."""
-    from hvd_cpu import dist
-
     name = socket.gethostname()
     try:
         resolved = socket.gethostbyname(name)
@@ -57,12 +55,28 @@ def probe(data: str | None) -> dict[str, Any]:
             nic: [a.address for a in addresses if a.family == socket.AF_INET]
             for nic, addresses in psutil.net_if_addrs().items()
         },
-        "versions": {p: version(p) for p in ("hvd-cpu", "torch", "horovod")},
-        "horovod": dist.build_info(),
+        "versions": {p: _version_of(p) for p in ("hvd-cpu", "torch", "horovod")},
+        "horovod": _horovod_build(),
         "cores": usable_cores(),
         "data_readable": None if data is None else os.access(data, os.R_OK),
         "open_mpi": open_mpi(),
     }
+
+
+def _version_of(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _horovod_build() -> dict[str, bool]:
+    """What the Horovod here can do; all False when it does not import (missing, or broken)."""
+    try:
+        from hvd_cpu import dist
+    except (ImportError, OSError):
+        return dict.fromkeys(BUILT, False)
+    return dist.build_info()
 
 
 def open_mpi() -> dict[str, str | None]:
@@ -121,16 +135,7 @@ def diagnose(
     """The whole checklist, local build first, then each host, then what they must share."""
     listed = None if hostfile is None else read_hostfile(hostfile)  # bad: before slow probes
     here = probe(str(data) if data else None)
-    build = here["horovod"]
-    shown = ", ".join(f"{n} {'yes' if build[k] else 'NO'}" for k, n in BUILT.items())
-    checks = [
-        Check(
-            "Horovod with PyTorch, MPI + Gloo", "this host", all(build[k] for k in BUILT),
-            f"horovod {here['versions']['horovod']}: {shown}",
-            "rebuild with launch/install.sh (it builds both controllers: horovodrun --mpi and "
-            "--gloo)",
-        )
-    ]  # fmt: skip
+    checks = [horovod_build_check(here["versions"]), controllers_check(here)]
     if listed is None:
         hosts = [HostSlots("localhost", here["cores"])]
         answers: dict[str, dict[str, Any] | str] = {"localhost": here}
@@ -157,6 +162,50 @@ def diagnose(
     if several and len(reached) == len(hosts):
         checks.append(common_interface(reached))
     return checks
+
+
+def horovod_build_check(versions: dict[str, str | None]) -> Check:
+    """Whether the Horovod here is hvd-cpu's patched build for this torch, Python and MPI
+    (what `hvd-cpu install-horovod` would install now)."""
+    from hvd_cpu.horovod_build import InstallError, installed_record, plan
+
+    fix = "run hvd-cpu install-horovod (or launch/install.sh)"
+    if versions["horovod"] is None:
+        return Check("Horovod build", "this host", False, "Horovod is not installed", fix)
+    record = installed_record()
+    if record is None:
+        detail = f"horovod {versions['horovod']} is not hvd-cpu's patched build"
+        return Check("Horovod build", "this host", False, detail, fix)
+    try:
+        wanted, _ = plan()
+    except InstallError as exc:
+        return Check("Horovod build", "this host", False, str(exc), "see the detail")
+    differences = build_differences(record, wanted.record())
+    detail = "; ".join(differences) or f"patched, for torch {record['torch']}, {record['python']}"
+    return Check("Horovod build", "this host", not differences, detail, fix)
+
+
+def build_differences(built: dict[str, object], wanted: dict[str, object]) -> list[str]:
+    """How the installed build's record differs from the build this environment needs."""
+    differences = [
+        f"built for {what} {built.get(key)}, here is {wanted[key]}"
+        for key, what in (("torch", "torch"), ("python", "Python"), ("mpi", "MPI"))
+        if built.get(key) != wanted[key]
+    ]
+    if built.get("key") != wanted["key"] and not differences:
+        differences = ["built with other patches than this hvd-cpu's"]
+    return differences
+
+
+def controllers_check(here: dict[str, Any]) -> Check:
+    """PyTorch and Gloo are needed; MPI is optional (it comes with Open MPI)."""
+    build = here["horovod"]
+    shown = ", ".join(f"{n} {'yes' if build[k] else 'no'}" for k, n in BUILT.items())
+    return Check(
+        "Horovod controllers", "this host", build["pytorch"] and build["gloo"],
+        f"horovod {here['versions']['horovod']}: {shown}",
+        "run hvd-cpu install-horovod: it builds Gloo, and MPI where Open MPI is installed",
+    )  # fmt: skip
 
 
 def host_checks(
@@ -187,7 +236,8 @@ def host_checks(
             Check("data readable", h.host, bool(answer["data_readable"]), str(data),
                   f"copy the data to {data} on {h.host}, or mount shared storage there")
         )  # fmt: skip
-    checks.append(open_mpi_check(h.host, answer["open_mpi"], here["open_mpi"], several))
+    if here["horovod"]["mpi"]:
+        checks.append(open_mpi_check(h.host, answer["open_mpi"], here["open_mpi"], several))
     cores = answer["cores"]
     checks.append(
         Check(

@@ -1,133 +1,92 @@
 #!/usr/bin/env bash
-# Install hvd-cpu and a Horovod that builds against current PyTorch, into one virtual environment.
+# Install hvd-cpu, torch and the patched Horovod into one virtual environment (.venv).
 #
-# Horovod 0.28.1 (its last release) forces C++14, which PyTorch >= 2.1 headers refuse. This script
-# downloads the 0.28.1 sdist, applies the project's patches (launch/horovod-0.28.1-*.patch, each
-# named for what it fixes), builds a wheel with both controllers, MPI (Debian's Open MPI) and
-# Gloo, for PyTorch once, caches it (keyed by Horovod version, torch version, Python ABI, the Open
-# MPI version and the patches), and installs it. A second run with the cache takes seconds.
+# Steps: Debian packages, only when run as root with apt-get (a compiler, Open MPI, the test
+# tools); the virtual environment (Python 3.11 to 3.13); torch, a CPU-only wheel where one can
+# be had; hvd-cpu itself; then `hvd-cpu install-horovod` (hvd_cpu/horovod_build), which builds
+# Horovod 0.28.1 with our patches for that torch, once, and caches the wheel. Without root
+# nothing is installed system-wide: what is missing then and needs root is named in one line.
+# A second run with the cache takes seconds.
 #
 # Usage: launch/install.sh [--test]     (--test also installs what the test suite needs)
 # Environment:
 #   HVD_CPU_VENV      virtual environment to create/use   (default: <repo>/.venv)
 #   HVD_CPU_CACHE     where built wheels are kept          (default: ~/.cache/hvd-cpu)
 #   HVD_CPU_EDITABLE  1: editable install of hvd-cpu (default), 0: a regular install
-#   PYTHON            interpreter for a new venv; must be 3.11 (default: python3.11, then python3)
+#   PYTHON            interpreter for a new venv, 3.11 to 3.13 (default: python3)
 #   TORCH_SPEC        torch requirement                    (default: torch==2.13.0)
-#   TORCH_INDEX_URL   an index with CPU-only torch wheels (optional)
+#   TORCH_INDEX_URL   where CPU-only torch wheels come from (default: PyTorch's CPU index;
+#                     empty: the default index only, whose Linux torch is the CUDA build)
 set -euo pipefail
 
-HOROVOD_VERSION=0.28.1
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${HVD_CPU_VENV:-$repo/.venv}
-cache=${HVD_CPU_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd-cpu}
-patches=("$repo"/launch/horovod-$HOROVOD_VERSION-*.patch)
 editable=${HVD_CPU_EDITABLE:-1}
 torch_spec=${TORCH_SPEC:-torch==2.13.0}
+cpu_index=${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}
 with_test=0
 [[ ${1:-} == --test ]] && with_test=1
 
 say() { printf 'install: %s\n' "$*" >&2; }
 die() { printf 'install: error: %s\n' "$*" >&2; exit 1; }
 
-# Debian packages: what the Horovod build needs (Open MPI's compiler wrappers and headers
-# included), plus what the multi-host tests need.
-need_debs=()
-for tool in g++:g++ make:make cmake:cmake patch:patch mpirun:openmpi-bin mpicxx:libopenmpi-dev; do
-  command -v "${tool%%:*}" >/dev/null || need_debs+=("${tool##*:}")
-done
-if ((with_test)); then
-  command -v sshd >/dev/null || [[ -x /usr/sbin/sshd ]] || need_debs+=(openssh-server)
-  command -v ssh >/dev/null || need_debs+=(openssh-client)
-  command -v ip >/dev/null || need_debs+=(iproute2)
-  # The SLURM tests' one-machine cluster. srun --mpi=pmix's plugin (in slurm-wlm-basic-plugins,
-  # which slurmd pulls in) dlopens pmix2/lib/libpmix.so, which only libpmix-dev ships.
-  for tool in munged:munge slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client; do
-    command -v "${tool%%:*}" >/dev/null || [[ -x /usr/sbin/${tool%%:*} ]] || need_debs+=("${tool##*:}")
+# Debian packages, as root only: what the build needs (Open MPI for the MPI controller: it is
+# optional, a Gloo-only build follows without it), plus what the multi-host and SLURM tests need.
+if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+  need_debs=()
+  for tool in g++:g++ make:make mpirun:openmpi-bin mpicxx:libopenmpi-dev; do
+    command -v "${tool%%:*}" >/dev/null || need_debs+=("${tool##*:}")
   done
-  compgen -G '/usr/lib/*/pmix2/lib/libpmix.so' >/dev/null || need_debs+=(libpmix-dev)
-fi
-if ((${#need_debs[@]})); then
-  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+  if ((with_test)); then
+    command -v sshd >/dev/null || [[ -x /usr/sbin/sshd ]] || need_debs+=(openssh-server)
+    command -v ssh >/dev/null || need_debs+=(openssh-client)
+    command -v ip >/dev/null || need_debs+=(iproute2)
+    # The SLURM tests' one-machine cluster. srun --mpi=pmix's plugin (in slurm-wlm-basic-plugins,
+    # which slurmd pulls in) dlopens pmix2/lib/libpmix.so, which only libpmix-dev ships.
+    for tool in munged:munge slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client; do
+      command -v "${tool%%:*}" >/dev/null || [[ -x /usr/sbin/${tool%%:*} ]] || need_debs+=("${tool##*:}")
+    done
+    compgen -G '/usr/lib/*/pmix2/lib/libpmix.so' >/dev/null || need_debs+=(libpmix-dev)
+  fi
+  if ((${#need_debs[@]})); then
     say "installing Debian packages: ${need_debs[*]}"
     apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_debs[@]}" >/dev/null
-  else
-    die "missing tools: ${need_debs[*]}; install them (Debian/Ubuntu: apt-get install ${need_debs[*]}) and rerun"
   fi
+elif ((with_test)); then
+  say "not root: no system packages installed; tests that need sshd, network namespaces or SLURM skip"
 fi
 
-# The virtual environment, on Python 3.11 (Horovod's CMake glue still imports distutils).
 if [[ ! -x $venv/bin/python ]]; then
-  python=${PYTHON:-$(command -v python3.11 || command -v python3 || true)}
-  [[ -n $python ]] || die "no python3.11 found; install Python 3.11 or set PYTHON=/path/to/python3.11"
-  "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' ||
-    die "$python is not Python 3.11 (Horovod $HOROVOD_VERSION's build needs distutils); set PYTHON=/path/to/python3.11"
-  say "creating virtual environment $venv"
-  "$python" -m venv "$venv" || die "could not create $venv (Debian: apt-get install python3-venv)"
+  python=${PYTHON:-$(command -v python3 || true)}
+  [[ -n $python ]] || die "no python3 found; install Python 3.11 to 3.13 or set PYTHON=/path/to/python3"
+  version=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])') ||
+    die "$python does not run; set PYTHON=/path/to/python3"
+  case $version in
+    3.11 | 3.12 | 3.13) ;;
+    *) die "$python is Python $version; hvd-cpu supports Python 3.11 to 3.13 (what torch and our Horovod patches are tested on): set PYTHON=/path/to/python3.13" ;;
+  esac
+  say "creating virtual environment $venv (Python $version)"
+  "$python" -m venv "$venv" ||
+    die "could not create $venv with $python (Debian/Ubuntu: sudo apt-get install python$version-venv; or set PYTHON)"
 fi
 py=$venv/bin/python
 pip=("$py" -m pip --disable-pip-version-check --quiet)
 
-# torch first: Horovod's build compiles against the installed torch.
+# torch first: Horovod is built against it. PyTorch's CPU-only wheels where they can be had
+# (about 0.9 GB installed); else the default index's, which on Linux is the CUDA build.
 if ! "$py" -c 'import torch' 2>/dev/null; then
-  say "installing $torch_spec"
-  "${pip[@]}" install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$torch_spec" numpy
-fi
-torch_version=$("$py" -c 'import torch; print(torch.__version__)')
-abi=$("$py" -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")')
-patch_id=$(cat "${patches[@]}" | sha256sum | cut -c1-12)
-ompi_version=$(mpirun --version 2>/dev/null | sed -n 's/^mpirun (Open MPI) //p')
-[[ -n $ompi_version ]] || die "mpirun is not Open MPI's; install Debian's openmpi-bin and libopenmpi-dev"
-wheel_dir=$cache/wheels/horovod-$HOROVOD_VERSION-torch$torch_version-$abi-ompi$ompi_version-$patch_id
-
-# Quick check on every run; the full `horovodrun --check-build` (7 s) runs after an install.
-horovod_ok() {
-  "$py" -c "import horovod, horovod.torch as hvd
-assert horovod.__version__ == '$HOROVOD_VERSION' and hvd.gloo_built() and hvd.mpi_built()" 2>/dev/null
-}
-
-build_horovod_wheel() {
-  local work log
-  work=$(mktemp -d "${TMPDIR:-/tmp}/hvd-cpu-horovod-build.XXXXXX")
-  log=$cache/horovod-build.log
-  mkdir -p "$cache"
-  say "building Horovod $HOROVOD_VERSION against torch $torch_version (about 5 to 9 minutes on 2 cores); log: $log"
-  "${pip[@]}" install setuptools wheel cloudpickle psutil pyyaml packaging
-  "${pip[@]}" download --no-deps --no-binary :all: --no-build-isolation "horovod==$HOROVOD_VERSION" -d "$work" >"$log" 2>&1 ||
-    die "could not download the horovod $HOROVOD_VERSION sdist from the package index; log: $log"
-  tar -xzf "$work/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"
-  for patch_file in "${patches[@]}"; do
-    patch -d "$work/horovod-$HOROVOD_VERSION" -p1 <"$patch_file" >>"$log" 2>&1 ||
-      die "could not apply $patch_file to the horovod sdist; log: $log"
-  done
-  # Both controllers; no HOROVOD_CPU_OPERATIONS, so each runs its own tensor operations (Gloo's
-  # under the MPI controller crash).
-  if ! HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
-    HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
-    "$py" -m pip wheel --no-deps --no-build-isolation -w "$work/dist" "$work/horovod-$HOROVOD_VERSION" >>"$log" 2>&1; then
-    tail -n 20 "$log" >&2
-    die "the Horovod build failed (last lines above); full log: $log"
+  if [[ -n $cpu_index ]] && say "installing $torch_spec (CPU-only) from $cpu_index" &&
+    "${pip[@]}" install --retries 1 --timeout 30 --index-url "$cpu_index" "$torch_spec" 2>/dev/null; then
+    :
+  else
+    [[ -z $cpu_index ]] || say "no CPU-only wheel of $torch_spec could be had from $cpu_index"
+    say "installing $torch_spec from the default index (on Linux the CUDA build: a few GB with its nvidia packages; it runs on CPUs as well)"
+    "${pip[@]}" install "$torch_spec" || die "could not install $torch_spec"
   fi
-  mkdir -p "$wheel_dir"
-  mv "$work"/dist/horovod-*.whl "$wheel_dir/"
-  rm -rf "$work"
-}
-
-horovod_stamp=$venv/.hvd-cpu-horovod
-if [[ $(cat "$horovod_stamp" 2>/dev/null) != "$wheel_dir" ]] || ! horovod_ok; then
-  compgen -G "$wheel_dir/horovod-*.whl" >/dev/null || build_horovod_wheel
-  say "installing Horovod from $wheel_dir"
-  "${pip[@]}" uninstall -y horovod 2>/dev/null
-  "${pip[@]}" install "$wheel_dir"/horovod-*.whl
-  horovod_ok || die "Horovod installed from $wheel_dir but 'import horovod.torch' fails; delete that folder and rerun"
-  check=$("$venv/bin/horovodrun" --check-build 2>&1) || true
-  if ! grep -q '\[X\] PyTorch' <<<"$check" || ! grep -q '\[X\] Gloo' <<<"$check" ||
-    ! grep -q '\[X\] MPI' <<<"$check"; then
-    "${pip[@]}" uninstall -y horovod
-    die "Horovod from $wheel_dir lacks PyTorch, Gloo or MPI (horovodrun --check-build below); delete that folder and rerun"$'\n'"$check"
-  fi
-  echo "$wheel_dir" >"$horovod_stamp"
+  site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  size=$(du -smc "$site"/torch "$site"/nvidia "$site"/triton 2>/dev/null | awk 'END { print $1 }')
+  say "installed $("$py" -c 'import torch; print("torch", torch.__version__, "(CUDA build)" if torch.version.cuda else "(CPU-only build)")'), $size MB"
 fi
 
 # hvd-cpu itself; skipped when nothing it declares has changed since the last install
@@ -148,4 +107,5 @@ if ! up_to_date; then
   printf '%s\n%s\n' "$installed" "$([[ $with_test == 1 ]] && echo test)" >"$stamp"
 fi
 
-say "ready: $venv (torch $torch_version, Horovod $HOROVOD_VERSION with PyTorch, MPI (Open MPI $ompi_version) and Gloo)"
+"$venv/bin/hvd-cpu" install-horovod
+say "ready: $venv"

@@ -126,10 +126,11 @@ def test_doctor_passes_on_a_good_set_up(hosts: Hosts, tmp_path: Path) -> None:
     data = demo_file(tmp_path / "frame.parquet", rows=100)
     checked = doctor(hosts, "--data", str(data))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert checked.stdout.splitlines()[-1] == "14 of 14 checks OK"
+    assert checked.stdout.splitlines()[-1] == "15 of 15 checks OK"
     lines = checked.stdout.splitlines()
-    assert lines[0].split() == [
-        "OK", "Horovod", "with", "PyTorch,", "MPI", "+", "Gloo", "this", "host",
+    assert lines[0].split()[:5] == ["OK", "Horovod", "build", "this", "host"]
+    assert lines[1].split() == [
+        "OK", "Horovod", "controllers", "this", "host",
         "horovod", "0.28.1:", "PyTorch", "yes,", "MPI", "yes,", "Gloo", "yes",
     ]  # fmt: skip
     open_mpi = [line for line in lines if "Open MPI on PATH" in line]

@@ -7,14 +7,16 @@
 #   - the host's CA bundle is mounted (and named by PIP_CERT) so that pip inside RUN steps
 #     trusts this network's proxy;
 #   - the local folder of torch wheels, if any, is mounted and offered to pip (find-links);
+#   - the wheel cache is mounted (HVD_CPU_CACHE), so a Horovod wheel built earlier is reused;
 #   - containers.conf: runc, cgroupfs and fixed ulimits (crun and raising limits fail here).
-# Usage: tests/container/build-image.sh TAG      Prints what it does; exits non-zero on failure.
+# Usage: tests/container/build-image.sh TAG [SUITE]   SUITE: trixie (the Dockerfile's default
+# base) or bookworm (built through BASE_IMAGE). Prints what it does; exits non-zero on failure.
 set -euo pipefail
-tag=${1:?usage: build-image.sh TAG}
+tag=${1:?usage: build-image.sh TAG [trixie|bookworm]}
+suite=${2:-trixie}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cache=${HVD_CPU_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd-cpu}
-base_name=docker.io/library/debian:bookworm-slim
-base_tar=$cache/base/debian-bookworm-minbase.tar
+base_name=docker.io/library/debian:$suite-slim
 say() { printf 'container: %s\n' "$*" >&2; }
 
 need=()
@@ -38,18 +40,7 @@ CONF
 export CONTAINERS_CONF=$conf_dir/containers.conf
 
 if ! buildah inspect --type image "$base_name" >/dev/null 2>&1; then
-  if [[ ! -s $base_tar ]]; then
-    mirror=$(awk '/^URIs:/ { print $2; exit }' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
-    [[ -n $mirror ]] || mirror=$(awk '$1 == "deb" { print $2; exit }' /etc/apt/sources.list)
-    root=$(mktemp -d)
-    say "debootstrap bookworm (minbase) from $mirror (about 70 s)"
-    debootstrap --variant=minbase bookworm "$root" "$mirror" >"$cache/debootstrap.log" 2>&1 ||
-      { tail -n 20 "$cache/debootstrap.log" >&2; exit 1; }
-    rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
-    mkdir -p "$(dirname "$base_tar")"
-    tar -C "$root" -cf "$base_tar.tmp" . && mv "$base_tar.tmp" "$base_tar"
-    rm -rf "$root"
-  fi
+  base_tar=$("$repo/tests/container/debian-root.sh" "$suite")
   say "importing the base image as $base_name"
   root=$(mktemp -d)
   tar -C "$root" -xf "$base_tar"
@@ -64,10 +55,15 @@ fi
 # Beside, not over, the image's own bundle: the ca-certificates package rewrites that one.
 volumes=(-v /etc/ssl/certs/ca-certificates.crt:/run/host-ca.crt:ro)
 build_args=(--build-arg PIP_CERT=/run/host-ca.crt)
+# This machine's wheel cache: a Horovod wheel built for the image's Debian, Python, torch and
+# Open MPI (tests/test_fresh_install.py leaves one for trixie) saves the build its compile.
+volumes+=(-v "$cache:/run/hvd-cpu-cache")
+build_args+=(--build-arg HVD_CPU_CACHE=/run/hvd-cpu-cache)
 if compgen -G "/opt/wheels/torch-*.whl" >/dev/null; then
   volumes+=(-v /opt/wheels:/opt/wheels:ro)
   build_args+=(--build-arg TORCH_INDEX_URL= --build-arg PIP_FIND_LINKS=/opt/wheels)
 fi
-say "building $tag from $repo/Dockerfile"
+[[ $suite == trixie ]] || build_args+=(--build-arg "BASE_IMAGE=$base_name")
+say "building $tag from $repo/Dockerfile on $base_name"
 buildah bud --pull=never --isolation chroot --layers=false "${volumes[@]}" "${build_args[@]}" \
   -t "$tag" "$repo"

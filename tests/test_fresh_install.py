@@ -1,0 +1,211 @@
+"""A new user's machine, for real: Debian 13 (Python 3.13) with a C++ compiler and Python and
+nothing else (no make, cmake, patch or MPI), an ordinary user, torch as PyPI serves it on Linux
+(the CUDA build) beside a CUDA_HOME, as on machines with a CUDA toolkit and no GPU.
+
+The README's install runs there as that user and a 2-rank Gloo job trains; then Open MPI's
+runtime arrives (an MPI launch of the Gloo-only build is one line, exit 2), then its
+development files, and the same install rebuilds Horovod with MPI, which then trains.
+
+The machine is a chroot of a debootstrapped trixie (tests/container/debian-root.sh, shared
+with the image's base), so these tests need root to set it up: marked `container`, run by
+launch/test-container.sh before the image tests. The MPI wheel built here is left in the host's
+cache, where the image build (same Debian, Python, torch and Open MPI) finds it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from .jobs import REPO, Run, run
+
+USER = "someuser"
+pytestmark = [
+    pytest.mark.container,
+    pytest.mark.timeout(3600),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or not shutil.which("apt-get"),
+        reason="a Debian 13 root file system needs root and apt-get (debootstrap, chroot)",
+    ),
+]
+HOST_CACHE = Path(os.environ.get("HVD_CPU_CACHE", Path.home() / ".cache" / "hvd-cpu"))
+
+
+@dataclass(frozen=True)
+class Machine:
+    root: Path
+
+    @property
+    def home(self) -> Path:
+        return self.root / "home" / USER
+
+    def as_root(self, script: str, timeout: float = 900) -> Run:
+        return run(["chroot", str(self.root), "sh", "-ec", script], timeout=timeout)
+
+    def as_user(self, script: str, timeout: float = 2400) -> Run:
+        """`script` in the clone, as the ordinary user, in a login-like clean environment."""
+        environment = [
+            f"HOME=/home/{USER}", f"USER={USER}", "LANG=C.UTF-8",
+            "PATH=/usr/local/bin:/usr/bin:/bin",
+            # As on a machine with a CUDA toolkit and no GPU: torch's CUDA build then asks
+            # Horovod's CMake for CUDA (the cpu-only-with-cuda-torch patch says no).
+            "CUDA_HOME=/usr/local/cuda",
+        ]  # fmt: skip
+        return run(
+            ["chroot", f"--userspec={USER}:{USER}", str(self.root), "env", "-i", *environment,
+             "bash", "-ec", f"cd ~/hvd-cpu && {script}"],
+            timeout=timeout,
+        )  # fmt: skip
+
+
+def _mount(root: Path) -> list[Path]:
+    mounted = []
+    for source, target, options in (
+        ("proc", "proc", ["-t", "proc"]),
+        ("/sys", "sys", ["--rbind"]),
+        ("/dev", "dev", ["--rbind"]),
+    ):
+        subprocess.run(["mount", *options, source, str(root / target)], check=True)
+        mounted.append(root / target)
+    return mounted
+
+
+@pytest.fixture(scope="module")
+def machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machine]:
+    made = run([str(REPO / "tests" / "container" / "debian-root.sh"), "trixie"], timeout=900)
+    assert made.returncode == 0, made.stderr
+    root = tmp_path_factory.mktemp("trixie") / "root"
+    root.mkdir()
+    subprocess.run(["tar", "-C", str(root), "-xf", made.stdout.strip()], check=True)
+    for name in ("resolv.conf", "hosts"):
+        shutil.copy(f"/etc/{name}", root / "etc" / name)
+    mounted = _mount(root)
+    try:
+        box = Machine(root)
+        # What a user's machine has: Python with venv and headers, a C++ compiler.
+        ready = box.as_root(
+            "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
+            "--no-install-recommends python3 python3-venv python3-dev g++ ca-certificates "
+            f">/dev/null && useradd --create-home {USER}"
+        )
+        assert ready.returncode == 0, ready.stdout + ready.stderr
+        # This network's TLS proxy, trusted system-wide (trixie's pip reads nothing else).
+        shutil.copy("/etc/ssl/certs/ca-certificates.crt", root / "etc/ssl/certs")
+        _clone_into(box.home / "hvd-cpu")
+        yield box
+    finally:
+        for target in reversed(mounted):
+            subprocess.run(["umount", "-R", "-l", str(target)], check=False)
+
+
+def _clone_into(folder: Path) -> None:
+    """The project's files as a clone has them (tracked and new, not ignored), the user's."""
+    listed = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True, check=True,
+    ).stdout.decode().split("\0")  # fmt: skip
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, folder / name)
+    subprocess.run(["chown", "-R", "1000:1000", str(folder.parent)], check=True)
+
+
+def _trained(output: Path, ranks: int, controller: str) -> None:
+    report = json.loads((output / "ranks.json").read_text())
+    assert [r["rank"] for r in report] == list(range(ranks))
+    assert {r["controller"] for r in report} == {controller}
+    assert len({r["param_sha256"] for r in report}) == 1
+
+
+def _extension(machine: Machine) -> Path:
+    return next(
+        (machine.home / "hvd-cpu/.venv/lib").glob(
+            "python3*/site-packages/horovod/torch/mpi_lib_v2*.so"
+        )
+    )
+
+
+def test_the_readme_install_as_an_ordinary_user_without_mpi(machine: Machine) -> None:
+    installed = machine.as_user("./launch/install.sh")
+    said = installed.stderr
+    print(f"cold install as {USER}: {installed.seconds:.0f} s\n{said}")
+    assert installed.returncode == 0, installed.stdout[-3000:] + said[-3000:]
+    assert "(CUDA build)" in said  # what PyPI gives: the CPU index cannot be reached here
+    assert "no MPI found" in said
+    assert "no cmake on PATH: installing cmake from PyPI" in said
+    assert "no make on PATH: installing ninja from PyPI" in said
+    assert "Horovod 0.28.1 ready: PyTorch and Gloo (no MPI)" in said
+    needed = subprocess.run(
+        ["readelf", "-d", str(_extension(machine))], capture_output=True, text=True, check=True
+    ).stdout
+    assert "libtorch_cpu.so" in needed
+    assert not [line for line in needed.splitlines() if "NEEDED" in line and "cuda" in line]
+
+    again = machine.as_user("./launch/install.sh")
+    assert again.returncode == 0, again.stderr
+    assert "Horovod 0.28.1 is up to date: PyTorch and Gloo (no MPI)" in again.stderr
+    print(f"second install: {again.seconds:.1f} s")
+    assert again.seconds < 60
+
+
+def test_a_two_rank_gloo_job_trains_on_the_gloo_only_build(machine: Machine) -> None:
+    job = machine.as_user(
+        ".venv/bin/horovodrun -np 2 -H localhost:2 .venv/bin/hvd-cpu train --epochs 2 "
+        "--output ~/runs/gloo",
+        timeout=600,
+    )
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert "[0]<stdout>:Epoch 2:" in job.stdout
+    _trained(machine.home / "runs" / "gloo", 2, "gloo")
+    doctor = machine.as_user(".venv/bin/hvd-cpu doctor", timeout=120)
+    assert doctor.returncode == 0, doctor.stdout
+    assert "PyTorch yes, MPI no, Gloo yes" in doctor.stdout
+
+
+def test_an_mpi_launch_of_the_gloo_only_build_is_one_line(machine: Machine) -> None:
+    added = machine.as_root(
+        "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "
+        "openmpi-bin >/dev/null"
+    )
+    assert added.returncode == 0, added.stderr
+    job = machine.as_user("mpirun -np 2 .venv/bin/hvd-cpu train --epochs 1", timeout=300)
+    assert job.returncode == 2, job.stdout + job.stderr
+    errors = [line for line in job.stderr.splitlines() if "hvd-cpu: error:" in line]
+    assert len(errors) == 1, job.stderr
+    assert "this Horovod was built without MPI; install Open MPI" in errors[0]
+    assert "Traceback" not in job.stdout + job.stderr
+    # The runtime alone is not enough to build with: the install says what is missing.
+    again = machine.as_user("./launch/install.sh")
+    assert again.returncode == 0, again.stderr
+    assert "has no compiler wrapper (mpicxx)" in again.stderr
+    assert "is up to date: PyTorch and Gloo (no MPI)" in again.stderr
+
+
+def test_open_mpi_arriving_rebuilds_horovod_with_mpi(machine: Machine) -> None:
+    added = machine.as_root(
+        "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "
+        "libopenmpi-dev >/dev/null"
+    )
+    assert added.returncode == 0, added.stderr
+    rebuilt = machine.as_user("./launch/install.sh")
+    print(f"rebuild with MPI: {rebuilt.seconds:.0f} s")
+    assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
+    assert "ready: PyTorch, Gloo and MPI (Open MPI" in rebuilt.stderr
+    job = machine.as_user(
+        "mpirun -np 2 .venv/bin/hvd-cpu train --epochs 2 --allreduce direct --output ~/runs/mpi",
+        timeout=600,
+    )
+    assert job.returncode == 0, job.stdout + job.stderr
+    _trained(machine.home / "runs" / "mpi", 2, "mpi")
+    # The image build (the same trixie, Python, torch and Open MPI) takes this wheel.
+    for built in (machine.home / ".cache/hvd-cpu/wheels").glob("horovod-*-ompi*"):
+        shutil.copytree(built, HOST_CACHE / "wheels" / built.name, dirs_exist_ok=True)
