@@ -136,7 +136,7 @@ def test_doctor_passes_on_a_good_set_up(hosts: Hosts, tmp_path: Path) -> None:
     open_mpi = [line for line in lines if "Open MPI on PATH" in line]
     assert [line.split()[5] for line in open_mpi] == ["198.18.0.2", "198.18.0.3"]
     assert all("/orted" in line for line in open_mpi)
-    assert "common network interface          all hosts   hvd0" in checked.stdout
+    assert "common network interface  all hosts   hvd0" in checked.stdout
 
 
 def test_doctor_names_the_host_without_orted_on_its_ssh_path(hosts: Hosts, sshd_back: None) -> None:
@@ -150,10 +150,9 @@ def test_doctor_names_the_host_without_orted_on_its_ssh_path(hosts: Hosts, sshd_
     finally:
         hosts.stop_sshd(second)  # sshd_back starts it again with the usual config
     assert checked.returncode == 1
-    failures = [line for line in checked.stdout.splitlines() if line.startswith("FAIL")]
+    failures = [" ".join(line.split()) for line in checked.stdout.splitlines() if "FAIL" in line]
     assert failures == [
-        "FAIL  Open MPI on PATH                  198.18.0.3  "
-        "mpirun and orted not on the PATH of an ssh session"
+        "FAIL Open MPI on PATH 198.18.0.3 mpirun and orted not on the PATH of an ssh session"
     ]
     assert "apt-get install openmpi-bin" in checked.stdout
 
@@ -174,10 +173,8 @@ def test_doctor_names_the_host_whose_name_resolves_to_loopback(
     hosts.resolve(hosts.hosts[1], "127.0.0.1")
     checked = doctor(hosts)
     assert checked.returncode == 1
-    failures = [line for line in checked.stdout.splitlines() if line.startswith("FAIL")]
-    assert failures == [
-        "FAIL  own hostname resolves             198.18.0.3  hvdhostb -> 127.0.0.1",
-    ]
+    failures = [" ".join(line.split()) for line in checked.stdout.splitlines() if "FAIL" in line]
+    assert failures == ["FAIL own hostname resolves 198.18.0.3 hvdhostb -> 127.0.0.1"]
 
 
 def test_a_launch_with_a_host_down_fails_fast_naming_it(hosts: Hosts, sshd_back: None) -> None:

@@ -44,13 +44,15 @@ PATCHES = Path(__file__).parent / "patches"
 RECORD_FILE = "hvd_cpu_build.py"  # written into the built horovod package: what it was built for
 BUILD_FREE_BYTES = 2 << 30  # the build tree with its objects, and the wheel
 # Both controllers' tensor operations stay their own (Gloo's under the MPI controller crash);
-# HOROVOD_CPU_ONLY (the cpu-only-with-cuda-torch patch) builds no GPU code against CUDA torch.
+# HOROVOD_CPU_ONLY (the cpu-only-with-cuda-torch patch) builds no GPU code against CUDA torch,
+# and without NVTX a CUDA toolkit on the machine adds no CUDA headers or profiling hooks.
 BUILD_FLAGS = {
     "HOROVOD_WITH_PYTORCH": "1",
     "HOROVOD_WITH_GLOO": "1",
     "HOROVOD_WITHOUT_TENSORFLOW": "1",
     "HOROVOD_WITHOUT_MXNET": "1",
     "HOROVOD_CPU_ONLY": "1",
+    "HOROVOD_WITHOUT_NVTX": "1",
 }
 
 
