@@ -85,7 +85,10 @@ def open_mpi() -> dict[str, str | None]:
     Run over ssh this sees the PATH of a non-interactive ssh session, the one in which mpirun
     starts `orted` on every other host of an MPI job.
     """
-    found: dict[str, str | None] = {name: shutil.which(name) for name in ("mpirun", "orted")}
+    found: dict[str, str | None] = {
+        "mpirun": shutil.which("mpirun"),
+        "orted": shutil.which("orted") or shutil.which("prted"),  # Open MPI 5's name for it
+    }
     found["version"] = None
     if found["mpirun"]:
         try:

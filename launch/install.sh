@@ -77,12 +77,12 @@ pip=("$py" -m pip --disable-pip-version-check --quiet)
 # (about 0.9 GB installed); else the default index's, which on Linux is the CUDA build.
 if ! "$py" -c 'import torch' 2>/dev/null; then
   if [[ -n $cpu_index ]] && say "installing $torch_spec (CPU-only) from $cpu_index" &&
-    "${pip[@]}" install --retries 1 --timeout 30 --index-url "$cpu_index" "$torch_spec" 2>/dev/null; then
+    "${pip[@]}" install --retries 1 --timeout 30 --index-url "$cpu_index" "$torch_spec" numpy 2>/dev/null; then
     :
   else
     [[ -z $cpu_index ]] || say "no CPU-only wheel of $torch_spec could be had from $cpu_index"
     say "installing $torch_spec from the default index (on Linux the CUDA build: a few GB with its nvidia packages; it runs on CPUs as well)"
-    "${pip[@]}" install "$torch_spec" || die "could not install $torch_spec"
+    "${pip[@]}" install "$torch_spec" numpy || die "could not install $torch_spec"
   fi
   site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   size=$(du -smc "$site"/torch "$site"/nvidia "$site"/triton 2>/dev/null | awk 'END { print $1 }')

@@ -10,6 +10,9 @@ export PATH=$venv/bin:$PATH
 cd "$repo"
 ruff check .
 ruff format --check .
+# Slow files whose tests may run two at a time: none measures seconds or shares a network.
+BESIDE_EACH_OTHER=(tests/test_bad_input.py tests/test_datasets.py tests/test_user_model.py
+  tests/test_messy.py tests/test_config_file.py tests/test_tracking.py)
 # pytest's "no tests collected" (exit 5) is a failure here, never a pass.
 tests() {
   local status=0
@@ -23,9 +26,11 @@ tests() {
 if (($#)); then
   tests -m "not container" "$@"
 else
-  # The main suite (under 5 minutes, two workers), then the slow one: minutes of real jobs
-  # (elastic, faults, namespace hosts, SLURM, whole matrices), one at a time, as they share
-  # the namespace hosts' network and measure seconds.
+  # The main suite (under 5 minutes, two workers), then the slow one: minutes of real jobs.
+  # Its whole matrices of bad input, datasets, user models, config files and tracking run
+  # two at a time like the main suite; the rest (elastic, faults, namespace hosts, SLURM,
+  # speed) one at a time, as they share the namespace hosts' network and measure seconds.
   tests -m "not slow and not container" -n 2
-  tests -m "slow and not container"
+  tests -m "slow and not container" -n 2 "${BESIDE_EACH_OTHER[@]}"
+  tests -m "slow and not container" "${BESIDE_EACH_OTHER[@]/#/--ignore=}"
 fi

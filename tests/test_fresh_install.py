@@ -84,6 +84,7 @@ def machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machine]:
     root = tmp_path_factory.mktemp("trixie") / "root"
     root.mkdir()
     subprocess.run(["tar", "-C", str(root), "-xf", made.stdout.strip()], check=True)
+    root.chmod(0o755)  # "/" as on any machine (the tarball's is mktemp's 0700)
     for name in ("resolv.conf", "hosts"):
         shutil.copy(f"/etc/{name}", root / "etc" / name)
     mounted = _mount(root)
@@ -183,10 +184,17 @@ def test_an_mpi_launch_of_the_gloo_only_build_is_one_line(machine: Machine) -> N
     assert len(errors) == 1, job.stderr
     assert "this Horovod was built without MPI; install Open MPI" in errors[0]
     assert "Traceback" not in job.stdout + job.stderr
+    # horovodrun --mpi (the launcher-errors patch): one line too, before any rank starts.
+    job = machine.as_user(".venv/bin/horovodrun --mpi -np 2 .venv/bin/hvd-cpu train", timeout=120)
+    assert job.returncode == 2, job.stdout + job.stderr
+    assert job.stderr.strip().splitlines() == [
+        "horovodrun: error: --mpi: this Horovod was built without MPI; install Open MPI and "
+        "rebuild (hvd-cpu install-horovod), or launch with --gloo"
+    ]
     # The runtime alone is not enough to build with: the install says what is missing.
     again = machine.as_user("./launch/install.sh")
     assert again.returncode == 0, again.stderr
-    assert "has no compiler wrapper (mpicxx)" in again.stderr
+    assert "development files (mpicxx, mpi.h) are not here" in again.stderr
     assert "is up to date: PyTorch and Gloo (no MPI)" in again.stderr
 
 

@@ -11,9 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from .jobs import BIN, REPO, Run, horovodrun, mpirun, ranks, run, slow_except
+from .jobs import BIN, REPO, Run, horovodrun, mpirun, ranks, run, skip_without_mpi, slow_except
 
 ARGS = ["--epochs", "2", "--no-shuffle", "--val-fraction", "0.1"]
+
+
+@pytest.fixture(autouse=True)
+def mpi_controller() -> None:
+    """Every test here needs Horovod's MPI controller (not in a Gloo-only build)."""
+    skip_without_mpi()
 
 
 def state(output: Path) -> dict[str, torch.Tensor]:

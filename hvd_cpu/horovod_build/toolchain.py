@@ -151,8 +151,9 @@ class BuildTools:
             # folders still declare; older CMakes ignore this variable.
             "CMAKE_POLICY_VERSION_MINIMUM": "3.5",
         }
-        if self.ninja:
-            env |= {"CMAKE_GENERATOR": "Ninja", "CMAKE_MAKE_PROGRAM": self.ninja}
+        if self.ninja:  # CMake finds the generator's program on the PATH
+            path = f"{Path(self.ninja).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+            env |= {"CMAKE_GENERATOR": "Ninja", "PATH": path}
         return env
 
 
@@ -170,8 +171,7 @@ def find_build_tools(tools_dir: Path, say: Say) -> BuildTools:
 def _from_pypi(tool: str, tools_dir: Path, say: Say, why: str) -> str:
     """`tool`'s binary from its PyPI wheel, installed beside (not into) the environment."""
     target = tools_dir / tool
-    binary = target / tool / "data" / "bin" / tool
-    if not binary.is_file():
+    if _binary_in(target, tool) is None:
         say(f"{why}: installing {tool} from PyPI into {target}")
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=f".{tool}-", dir=target.parent))
@@ -188,9 +188,25 @@ def _from_pypi(tool: str, tools_dir: Path, say: Say, why: str) -> str:
             )
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
-    if not binary.is_file():
-        raise InstallError(f"PyPI's {tool} wheel has no {binary}; install {tool} and rerun")
+    binary = _binary_in(target, tool)
+    if binary is None:
+        raise InstallError(
+            f"PyPI's {tool} wheel in {target} holds no {tool} program; install {tool} and rerun"
+        )
     return str(binary)
+
+
+def _binary_in(target: Path, tool: str) -> Path | None:
+    """The executable itself (not a Python launcher script), where the wheels keep it: cmake's
+    in cmake/data/bin, ninja's (from 1.11.1.2 on) in bin."""
+    for candidate in (target / tool / "data" / "bin" / tool, target / "bin" / tool):
+        try:
+            with candidate.open("rb") as file:
+                if file.read(4) == b"\x7fELF":
+                    return candidate
+        except OSError:
+            continue
+    return None
 
 
 @dataclass(frozen=True)
@@ -228,10 +244,25 @@ def find_mpi() -> tuple[Mpi | None, str]:
         ).stdout
     except (OSError, subprocess.TimeoutExpired):
         said = ""
-    return identify_mpi(mpirun, said, bool(shutil.which("mpicxx") or shutil.which("mpic++")))
+    return identify_mpi(mpirun, said, _open_mpi_headers())
 
 
-def identify_mpi(mpirun: str, version_text: str, has_wrapper: bool) -> tuple[Mpi | None, str]:
+def _open_mpi_headers() -> bool:
+    """Whether Open MPI's compiler wrapper is here and names a folder holding mpi.h: the
+    runtime package alone (Debian's openmpi-bin) brings the wrapper but not the headers."""
+    wrapper = shutil.which("mpicxx") or shutil.which("mpic++")
+    if wrapper is None:
+        return False
+    try:
+        said = subprocess.run(
+            [wrapper, "-showme:incdirs"], capture_output=True, text=True, timeout=20, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return any((Path(folder) / "mpi.h").is_file() for folder in said.split())
+
+
+def identify_mpi(mpirun: str, version_text: str, has_headers: bool) -> tuple[Mpi | None, str]:
     """Which MPI `mpirun --version` printed, and whether Horovod can be built against it."""
     match = re.search(r"\(Open MPI\) (\S+)", version_text)
     if match is None:
@@ -240,9 +271,9 @@ def identify_mpi(mpirun: str, version_text: str, has_wrapper: bool) -> tuple[Mpi
             f"{mpirun} is {name}, not Open MPI, the MPI hvd-cpu builds Horovod against; for "
             f"MPI install Open MPI ({OPEN_MPI_LINE})"
         )
-    if not has_wrapper:
+    if not has_headers:
         return None, (
-            f"Open MPI {match[1]} has no compiler wrapper (mpicxx) here; for MPI install its "
-            f"development files ({OPEN_MPI_LINE})"
+            f"Open MPI {match[1]}'s development files (mpicxx, mpi.h) are not here; for MPI "
+            f"install them ({OPEN_MPI_LINE})"
         )
     return Mpi("Open MPI", match[1]), ""

@@ -20,6 +20,7 @@ if [[ ! -s $tarball ]]; then
   debootstrap --variant=minbase "$suite" "$root" "$mirror" >"$cache/debootstrap-$suite.log" 2>&1 ||
     { tail -n 20 "$cache/debootstrap-$suite.log" >&2; rm -rf "$root"; exit 1; }
   rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
+  chmod 755 "$root"  # mktemp made it 0700; it is "/"
   tar -C "$root" -cf "$tarball.tmp" . && mv "$tarball.tmp" "$tarball"
   rm -rf "$root"
 fi
