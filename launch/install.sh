@@ -85,7 +85,8 @@ if ! "$py" -c 'import torch' 2>/dev/null; then
     "${pip[@]}" install "$torch_spec" numpy || die "could not install $torch_spec"
   fi
   site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  size=$(du -smc "$site"/torch "$site"/nvidia "$site"/triton 2>/dev/null | awk 'END { print $1 }')
+  # A CPU-only torch has no nvidia or triton folder: du's complaint about them is no failure.
+  size=$({ du -smc "$site"/torch "$site"/nvidia "$site"/triton 2>/dev/null || true; } | awk 'END { print $1 }')
   say "installed $("$py" -c 'import torch; print("torch", torch.__version__, "(CUDA build)" if torch.version.cuda else "(CPU-only build)")'), $size MB"
 fi
 

@@ -258,3 +258,10 @@ def test_hvd_cpu_ships_its_patches(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     shipped = sorted(n.rsplit("/", 1)[1] for n in names if n.endswith(".patch"))
     assert shipped == [p.name for p in build.patch_files()]
+
+
+def test_every_patch_says_why_here_and_in_the_build_page() -> None:
+    page = (REPO / "docs" / "horovod-build.md").read_text()
+    for patch in build.patch_files():
+        name = patch.name.removeprefix(f"horovod-{build.HOROVOD_VERSION}-").removesuffix(".patch")
+        assert f"- `{name}`:" in page, f"docs/horovod-build.md does not explain {patch.name}"
