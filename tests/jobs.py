@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
@@ -28,9 +29,9 @@ SLOW = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 # Launchers prefix each line a rank prints: horovodrun over Gloo with "[rank]<stdout>:", Open
 # MPI's --tag-output (mpirun, horovodrun --mpi) with "[job,rank]<stdout>:"; after a timestamp
-# when asked (--prefix-output-with-timestamp, --timestamp-output).
+# when asked (--prefix-output-with-timestamp, --timestamp-output). Open MPI 5 adds a space.
 RANK_PREFIX = re.compile(
-    r"^(?P<time>.*?)\[(?:\d+,)?(?P<rank>\d+)\]<(?:stdout|stderr)>:(?P<text>.*)$"
+    r"^(?P<time>.*?)\[(?:\d+,)?(?P<rank>\d+)\]<(?:stdout|stderr)>: ?(?P<text>.*)$"
 )
 
 
@@ -193,8 +194,11 @@ def processes_naming(marker: Path | str, grace: float = 0.0) -> list[int]:
     horovodrun, shells and ranks), once they are gone or `grace` seconds have passed."""
     deadline = time.monotonic() + grace
     while True:
-        found = subprocess.run(["pgrep", "-f", str(marker)], capture_output=True, text=True)
-        pids = [int(pid) for pid in found.stdout.split()]
+        pids = [
+            process.pid
+            for process in psutil.process_iter(["cmdline"])
+            if process.pid != os.getpid() and str(marker) in " ".join(process.info["cmdline"] or [])
+        ]
         if not pids or time.monotonic() >= deadline:
             return pids
         time.sleep(0.05)
