@@ -49,6 +49,14 @@ class Machine:
     def as_root(self, script: str, timeout: float = 900) -> Run:
         return run(["chroot", str(self.root), "sh", "-ec", script], timeout=timeout)
 
+    def apt_install(self, *packages: str) -> None:
+        """Debian packages, as this machine's administrator would install them."""
+        done = self.as_root(
+            "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "
+            f"{' '.join(packages)} >/dev/null"
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+
     def as_user(self, script: str, timeout: float = 2400) -> Run:
         """`script` in the clone, as the ordinary user, in a login-like clean environment."""
         environment = [
@@ -91,12 +99,9 @@ def machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machine]:
     try:
         box = Machine(root)
         # What a user's machine has: Python with venv and headers, a C++ compiler.
-        ready = box.as_root(
-            "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
-            "--no-install-recommends python3 python3-venv python3-dev g++ ca-certificates "
-            f">/dev/null && useradd --create-home {USER}"
-        )
-        assert ready.returncode == 0, ready.stdout + ready.stderr
+        listed = box.as_root(f"apt-get update -qq && useradd --create-home {USER}")
+        assert listed.returncode == 0, listed.stdout + listed.stderr
+        box.apt_install("python3", "python3-venv", "python3-dev", "g++", "ca-certificates")
         # This network's TLS proxy, trusted system-wide (trixie's pip reads nothing else).
         shutil.copy("/etc/ssl/certs/ca-certificates.crt", root / "etc/ssl/certs")
         _clone_into(box.home / "hvd-cpu")
@@ -173,11 +178,7 @@ def test_a_two_rank_gloo_job_trains_on_the_gloo_only_build(machine: Machine) -> 
 
 
 def test_an_mpi_launch_of_the_gloo_only_build_is_one_line(machine: Machine) -> None:
-    added = machine.as_root(
-        "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "
-        "openmpi-bin >/dev/null"
-    )
-    assert added.returncode == 0, added.stderr
+    machine.apt_install("openmpi-bin")
     job = machine.as_user("mpirun -np 2 .venv/bin/hvd-cpu train --epochs 1", timeout=300)
     assert job.returncode == 2, job.stdout + job.stderr
     errors = [line for line in job.stderr.splitlines() if "hvd-cpu: error:" in line]
@@ -199,11 +200,7 @@ def test_an_mpi_launch_of_the_gloo_only_build_is_one_line(machine: Machine) -> N
 
 
 def test_open_mpi_arriving_rebuilds_horovod_with_mpi(machine: Machine) -> None:
-    added = machine.as_root(
-        "DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "
-        "libopenmpi-dev >/dev/null"
-    )
-    assert added.returncode == 0, added.stderr
+    machine.apt_install("libopenmpi-dev")
     rebuilt = machine.as_user("./launch/install.sh")
     print(f"rebuild with MPI: {rebuilt.seconds:.0f} s")
     assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]

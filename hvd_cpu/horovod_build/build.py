@@ -151,7 +151,8 @@ def install(
     if wheel is None:
         wheel = build(cache, wanted, say)
     say(f"installing {wheel}")
-    _pip("uninstall", "--yes", "horovod", check=False)
+    # Replaced in one pip transaction (the old one stays if it fails), then its dependencies.
+    _pip("install", "--force-reinstall", "--no-deps", str(wheel))
     _pip("install", str(wheel))
     if not _works(wanted):
         raise InstallError(
