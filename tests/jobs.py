@@ -26,6 +26,11 @@ BIN = Path(sys.executable).parent
 # Minutes of real jobs: launch/test.sh runs them after the main suite
 # (pytest -m "not slow and not container").
 SLOW = pytest.mark.slow
+# A Debian root file system or an image of our own: debootstrap, chroot, buildah and podman.
+needs_root_and_apt = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("apt-get"),
+    reason="building a Debian root or image here needs root and apt-get (debootstrap, buildah)",
+)
 REPO = Path(__file__).resolve().parent.parent
 # Launchers prefix each line a rank prints: horovodrun over Gloo with "[rank]<stdout>:", Open
 # MPI's --tag-output (mpirun, horovodrun --mpi) with "[job,rank]<stdout>:"; after a timestamp

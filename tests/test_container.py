@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from .hosts import Hosts
-from .jobs import REPO, Run, demo_file, run
+from .jobs import REPO, Run, demo_file, needs_root_and_apt, run
 
 TAG = "localhost/hvd-cpu:test"
 pytestmark = [
@@ -27,10 +26,7 @@ pytestmark = [
     # The first test pays for the image build, Horovod's compile included: 10 to 20 minutes
     # on 2 cores (MPI + Gloo), past the suite's 600 s per test. Each run inside is bounded.
     pytest.mark.timeout(3600),
-    pytest.mark.skipif(
-        os.geteuid() != 0 or not shutil.which("apt-get"),
-        reason="building the image here needs root and apt-get (buildah, podman, debootstrap)",
-    ),
+    needs_root_and_apt,
 ]
 
 

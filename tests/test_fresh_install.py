@@ -24,16 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from .jobs import REPO, Run, run
+from .jobs import REPO, Run, needs_root_and_apt, run
 
 USER = "someuser"
 pytestmark = [
     pytest.mark.container,
     pytest.mark.timeout(3600),
-    pytest.mark.skipif(
-        os.geteuid() != 0 or not shutil.which("apt-get"),
-        reason="a Debian 13 root file system needs root and apt-get (debootstrap, chroot)",
-    ),
+    needs_root_and_apt,
 ]
 HOST_CACHE = Path(os.environ.get("HVD_CPU_CACHE", Path.home() / ".cache" / "hvd-cpu"))
 

@@ -36,6 +36,7 @@ from hvd_cpu.horovod_build.toolchain import (
     find_compiler,
     find_mpi,
     find_torch,
+    last_line,
 )
 
 HOROVOD_VERSION = "0.28.1"
@@ -185,7 +186,7 @@ def build(cache: Path, wanted: Plan, say: Say) -> Path:
         tree = _patched_source(_sdist(cache), Path(work), wanted)
         say(
             f"building Horovod {HOROVOD_VERSION} with {wanted.controllers()} for torch "
-            f"{wanted.torch.version} (about 5 to 9 minutes on 2 cores); log: {log}"
+            f"{wanted.torch.version} (about 3 to 5 minutes on 2 cores); log: {log}"
         )
         env = os.environ | wanted.flags | tools.environment() | {"CXX": compiler}
         with log.open("w") as out:
@@ -213,10 +214,9 @@ def _sdist(cache: Path) -> Path:
         )  # fmt: skip
         fetched = Path(download) / sdist.name
         if done.returncode != 0 or not fetched.is_file():
-            last = (done.stderr.strip().splitlines() or ["no sdist"])[-1]
             raise InstallError(
                 f"could not download the horovod {HOROVOD_VERSION} sdist from the package "
-                f"index ({last})"
+                f"index ({last_line(done.stderr, 'no sdist')})"
             )
         if _sha256(fetched) != SDIST_SHA256:
             raise InstallError(
@@ -316,7 +316,7 @@ def _pip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     if check and done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        last = last_line(done.stderr, f"exit {done.returncode}")
         if "No space left" in done.stderr:
             last = "no space left on the device"
         raise InstallError(f"pip {args[0]} {' '.join(args[1:])} failed: {last}")

