@@ -40,6 +40,8 @@ def image() -> Iterator[str]:
     built = run([str(REPO / "tests" / "container" / "build-image.sh"), TAG], timeout=3000)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     yield TAG
+    # Several GB with the CUDA build of torch: a machine that runs CI again needs the room.
+    run(["podman", "rmi", "--force", TAG], env=containers_conf())
 
 
 def podman(*args: str, timeout: float = 600) -> Run:

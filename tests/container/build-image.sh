@@ -64,6 +64,17 @@ if compgen -G "/opt/wheels/torch-*.whl" >/dev/null; then
   build_args+=(--build-arg TORCH_INDEX_URL= --build-arg PIP_FIND_LINKS=/opt/wheels)
 fi
 [[ $suite == trixie ]] || build_args+=(--build-arg "BASE_IMAGE=$base_name")
+
+# Disk: the build holds the venv twice (build stage and image) and a layer's tarball while it
+# commits; with the CUDA build of torch (what the default index serves) that peaks near 16 GB.
+# A rebuild would leave the old image behind untagged, so it goes first.
+podman rmi --force --ignore "$tag" >/dev/null
+store=$(podman info --format '{{.Store.GraphRoot}}')
+free_gb=$(df --output=avail -BG "$store" | tail -1 | tr -dc 0-9)
+if ((free_gb < 20)); then
+  say "only ${free_gb} GB free under $store; building the image needs about 20 GB: free some (podman system prune -a, old folders in /tmp) and run again"
+  exit 1
+fi
 say "building $tag from $repo/Dockerfile on $base_name"
 buildah bud --pull=never --isolation chroot --layers=false "${volumes[@]}" "${build_args[@]}" \
   -t "$tag" "$repo"
