@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from hvd_cpu.models import Network
-from hvd_cpu.prepare import split
+from hvd_cpu.model.networks import Network
+from hvd_cpu.training.prepare import split
 
 VAL_FRACTION = 0.1
 SEED = 0

@@ -31,7 +31,7 @@ BIN = Path(sys.executable).parent
 MB = 2**20
 BASELINE = (
     "import resource, hvd_cpu, torch, horovod.torch, pandas, pyarrow, pyarrow.dataset\n"
-    "import hvd_cpu.cli, hvd_cpu.train, hvd_cpu.prepare\n"
+    "import hvd_cpu.cli, hvd_cpu.training.train, hvd_cpu.training.prepare\n"
     "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
 )
 

@@ -14,14 +14,15 @@ from typing import Any
 
 import pandas as pd
 
-from hvd_cpu import bench, dist
-from hvd_cpu.config import DEMO_FEATURES, TrainConfig
-from hvd_cpu.cores import usable_cores
+from hvd_cpu.config.options import DEMO_FEATURES, TrainConfig
 from hvd_cpu.data.demo import make_demo_frame
 from hvd_cpu.data.frames import write_frame
 from hvd_cpu.errors import InputError
-from hvd_cpu.lifecycle import launch_rank, launch_rank_known
-from hvd_cpu.train import TrainResult, train
+from hvd_cpu.runtime import horovod as dist
+from hvd_cpu.runtime.cores import usable_cores
+from hvd_cpu.runtime.lifecycle import launch_rank, launch_rank_known
+from hvd_cpu.tools import bench
+from hvd_cpu.training.train import TrainResult, train
 
 
 def _rank_main(config: TrainConfig) -> TrainResult | None:

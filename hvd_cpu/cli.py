@@ -16,11 +16,16 @@ from typing import Any, NoReturn
 import click
 
 from hvd_cpu import __version__
-from hvd_cpu.config import CHOICES, LOSS_NAMES, SEED_MAX
-from hvd_cpu.config_file import config_option
+from hvd_cpu.config.files import config_option
+from hvd_cpu.config.options import CHOICES, LOSS_NAMES, SEED_MAX
 from hvd_cpu.data.formats import FORMATS, extensions_text
 from hvd_cpu.errors import InputError, RunFailed
-from hvd_cpu.lifecycle import exit_now, exit_quietly_on_signals, launch_rank, launch_rank_known
+from hvd_cpu.runtime.lifecycle import (
+    exit_now,
+    exit_quietly_on_signals,
+    launch_rank,
+    launch_rank_known,
+)
 
 STRAGGLERS_SECONDS = 1.0
 
@@ -37,7 +42,7 @@ def _fail(show: Callable[[], None], code: int, together: bool = False) -> NoRetu
         show()
     if together:
         # Imported lazily: `hvd-cpu --help` and make-demo-data should not pay for Horovod.
-        from hvd_cpu import dist
+        from hvd_cpu.runtime import horovod as dist
 
         dist.leave_together()
     if not launch_rank_known():
@@ -349,8 +354,8 @@ _data_and_model_options = _stacked(
 def train(**options: object) -> None:
     """Train a model on a DataFrame: by default the seed's MLP (Linear(n,32) -> Linear(32,1),
     MSE, Adam) on every column but the target."""
-    from hvd_cpu.config import TrainConfig
-    from hvd_cpu.train import train as run_training
+    from hvd_cpu.config.options import TrainConfig
+    from hvd_cpu.training.train import train as run_training
 
     run_training(TrainConfig(**options))
 
@@ -382,8 +387,8 @@ def train(**options: object) -> None:
 def predict(**options: object) -> None:
     """Predict with a trained model. Runs alone or under horovodrun (rows are shared out,
     rank 0 writes one output in the input's order)."""
-    from hvd_cpu.predict import PredictConfig
-    from hvd_cpu.predict import predict as run_predict
+    from hvd_cpu.tools.predict import PredictConfig
+    from hvd_cpu.tools.predict import predict as run_predict
 
     run_predict(PredictConfig(**options))
 
@@ -392,7 +397,7 @@ def predict(**options: object) -> None:
 @click.argument("output", type=click.Path(path_type=Path, file_okay=False, exists=True))
 def plot(output: Path) -> None:
     """Draw OUTPUT/loss.png: training and validation loss per epoch."""
-    from hvd_cpu.plot import plot_losses
+    from hvd_cpu.output.plot import plot_losses
 
     click.echo(f"wrote {plot_losses(output)}")
 
@@ -463,7 +468,7 @@ def bench(**options: Any) -> None:
     interval and gradient allreduce train this data and model fastest here, and print the
     command that runs it; launches the jobs itself (run it without horovodrun)."""
     from hvd_cpu.api import benchmark
-    from hvd_cpu.bench import table
+    from hvd_cpu.tools.bench import table
 
     report = benchmark(target=options.pop("targets"), **options)
     output = Path(options["output"]).absolute()
@@ -494,7 +499,7 @@ def doctor(
 ) -> None:
     """Check a set-up before a long job: Horovod's build, ssh to every host, versions, host
     names, a common network interface, the data path, threads per rank. Exit 0 if all pass."""
-    from hvd_cpu.doctor import diagnose, report
+    from hvd_cpu.tools.doctor import diagnose, report
 
     checks = diagnose(hostfile, ssh_port, ssh_identity_file, data)
     click.echo(report(checks))
@@ -566,7 +571,7 @@ def main() -> None:
         message = f"hvd-cpu: error: {' '.join(str(exc).split())}"
         _fail(lambda: click.echo(message, err=True), exc.exit_code, together=True)
     except Exception as exc:
-        from hvd_cpu import dist
+        from hvd_cpu.runtime import horovod as dist
 
         if not isinstance(exc, dist.PeerLost):
             raise

@@ -4,7 +4,7 @@
 # so editing the host file while the job runs takes a host out or lets it (back) in.
 #
 #   HVD_CPU_HOSTFILE  a host file as launch/run-hosts.sh takes ("host slots=N" lines, # for
-#                     comments), read by hvd_cpu.hostfile: a bad one is one line and exit 2
+#                     comments), read by hvd_cpu.tools.hostfile: a bad one is one line and exit 2
 #                     (while a job runs, Horovod then keeps the hosts it had). Unset: this
 #                     machine, HVD_CPU_SLOTS ranks (default: its cores).
 #   HVD_CPU_VENV      the environment whose Python reads the file (default: <repo>/.venv)
@@ -16,7 +16,7 @@
 set -euo pipefail
 if [[ -n ${HVD_CPU_HOSTFILE:-} ]]; then
   repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-  exec "${HVD_CPU_VENV:-$repo/.venv}/bin/python" -m hvd_cpu.hostfile discovery "$HVD_CPU_HOSTFILE"
+  exec "${HVD_CPU_VENV:-$repo/.venv}/bin/python" -m hvd_cpu.tools.hostfile discovery "$HVD_CPU_HOSTFILE"
 else
   slots=${HVD_CPU_SLOTS:-$(nproc)}
   echo "localhost:$(((slots + 1) / 2))"

@@ -29,11 +29,11 @@ if [[ $controller != gloo && $controller != mpi ]]; then
   exit 2
 fi
 
-# One rank per slot. The file is read by hvd_cpu.hostfile, as by doctor (a bad one ends here
+# One rank per slot. The file is read by hvd_cpu.tools.hostfile, as by doctor (a bad one ends here
 # with one line, exit 2), and handed to horovodrun as -H: horovodrun's own --hostfile reader
 # fails on comments, blank lines and hosts without slots=.
-np=$(python -m hvd_cpu.hostfile total "$hostfile")
-hosts=$(python -m hvd_cpu.hostfile hosts "$hostfile")
+np=$(python -m hvd_cpu.tools.hostfile total "$hostfile")
+hosts=$(python -m hvd_cpu.tools.hostfile hosts "$hostfile")
 
 launcher=("--$controller" -np "$np" -H "$hosts" --start-timeout "${START_TIMEOUT:-30}")
 [[ -n ${SSH_PORT:-} ]] && launcher+=(-p "$SSH_PORT")

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch
 
-from hvd_cpu.models import Network
+from hvd_cpu.model.networks import Network
 
 BIN = Path(sys.executable).parent
 # Minutes of real jobs: launch/test.sh runs them after the main suite

@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 
-from hvd_cpu import api, bench
+from hvd_cpu import api
 from hvd_cpu.cli import cli
-from hvd_cpu.config import TrainConfig
-from hvd_cpu.cores import usable_cores
+from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.errors import InputError
-from hvd_cpu.lifecycle import RANK_VARIABLES
+from hvd_cpu.runtime.cores import usable_cores
+from hvd_cpu.runtime.lifecycle import RANK_VARIABLES
+from hvd_cpu.tools import bench
 
 REPORT = {"measurements": [], "recommendation": {}}
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hvd_cpu.cli import bench, train
-from hvd_cpu.config import TrainConfig
-from hvd_cpu.config_file import record
+from hvd_cpu.config.files import record
+from hvd_cpu.config.options import TrainConfig
 
 from .jobs import horovodrun, hvd_cpu, slow_except, weights
 

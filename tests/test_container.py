@@ -71,7 +71,7 @@ def test_training_on_a_mounted_frame(image: str, tmp_path: Path) -> None:
 
 
 def test_threads_follow_the_container_cpu_quota(image: str) -> None:
-    probe = "from hvd_cpu.cores import usable_cores; print(usable_cores())"
+    probe = "from hvd_cpu.runtime.cores import usable_cores; print(usable_cores())"
     job = podman("--cpus", "1", image, "python3", "-c", probe)
     assert job.returncode == 0, job.stdout + job.stderr
     assert job.stdout.strip() == "1"

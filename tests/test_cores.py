@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_cpu import cores
+from hvd_cpu.runtime import cores
 
 
 def write(root: Path, files: dict[str, str]) -> Path:
@@ -82,7 +82,7 @@ def test_default_threads(
 def test_doctor_and_cores_load_neither_horovod_nor_torch() -> None:
     """`hvd-cpu doctor` asks for cores before it (maybe) probes Horovod, which may be broken."""
     code = (
-        "import sys, hvd_cpu.cores, hvd_cpu.doctor; "
+        "import sys, hvd_cpu.runtime.cores, hvd_cpu.tools.doctor; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'horovod', 'torch'}))"
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

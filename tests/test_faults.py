@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hvd_cpu.model_files import CHECKPOINT, load
+from hvd_cpu.output.model_files import CHECKPOINT, load
 
 from .jobs import BIN, Run, demo_file, horovodrun, processes_naming
 

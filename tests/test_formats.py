@@ -9,7 +9,7 @@ import sys
 import click
 
 from hvd_cpu.cli import cli
-from hvd_cpu.config import CHOICES
+from hvd_cpu.config.options import CHOICES
 from hvd_cpu.data.formats import EXTENSIONS, FORMATS, extensions_text
 from hvd_cpu.data.frames import READERS, WRITERS
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from hvd_cpu.doctor import build_differences
 from hvd_cpu.horovod_build import build, patching, toolchain
 from hvd_cpu.horovod_build.toolchain import InstallError, Mpi, Torch
+from hvd_cpu.tools.doctor import build_differences
 
 from .jobs import BIN, REPO, run
 

@@ -1,4 +1,4 @@
-"""Host files: one reader (hvd_cpu.hostfile) for doctor and the launch scripts, so a bad file
+"""Host files: one reader (hvd_cpu.tools.hostfile) for doctor and the launch scripts, so a bad file
 is the same one line and exit code 2 from each of them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hvd_cpu.errors import InputError
-from hvd_cpu.hostfile import HostSlots, main, parse, read_hostfile
+from hvd_cpu.tools.hostfile import HostSlots, main, parse, read_hostfile
 
 from .jobs import BIN, REPO, run
 
@@ -93,7 +93,7 @@ def test_the_forms_the_launch_scripts_read(
 def test_a_bad_call_prints_the_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sum", "hosts"]) == 2
     assert capsys.readouterr().err == (
-        "usage: python -m hvd_cpu.hostfile total|hosts|discovery FILE\n"
+        "usage: python -m hvd_cpu.tools.hostfile total|hosts|discovery FILE\n"
     )
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvd_cpu.models import Network, parameter_digest
+from hvd_cpu.model.networks import Network, parameter_digest
 
 from .jobs import BIN, REPO, horovodrun, hvd_cpu, load_model, metrics, run, slow_except
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hvd_cpu.config import TrainConfig
-from hvd_cpu.model_files import CHECKPOINT, Checkpoint
-from hvd_cpu.train import train
+from hvd_cpu.config.options import TrainConfig
+from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
+from hvd_cpu.training.train import train
 
 
 def trained(output: Path, **options: object) -> list[dict]:

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from hvd_cpu import optim
-from hvd_cpu.optim import adam
+from hvd_cpu.model import optim
+from hvd_cpu.model.optim import adam
 
 from .jobs import REPO
 
@@ -46,7 +46,7 @@ def test_close_to_stock_foreach_adam() -> None:
 def test_training_never_imports_the_compiler() -> None:
     """In a fresh process: build, step, save and load the optimizer, then look at sys.modules."""
     code = (
-        "import sys, torch; from hvd_cpu.optim import adam; "
+        "import sys, torch; from hvd_cpu.model.optim import adam; "
         "m = torch.nn.Linear(4, 1); o = adam(m.parameters(), 0.1); "
         "m(torch.randn(8, 4)).sum().backward(); o.step(); o.zero_grad(); "
         "o.load_state_dict(o.state_dict()); "
@@ -61,8 +61,9 @@ def test_training_never_imports_the_compiler() -> None:
 def test_the_lean_path_is_taken_on_the_installed_torch() -> None:
     """If a torch release wraps Optimizer or Adam.step differently, adam() falls back to stock
     Adam quietly (same updates, about 1 s more per rank at start): this fails so someone looks."""
-    assert optim.dynamo_markers() is not None, f"torch {torch.__version__}: see hvd_cpu/optim.py"
-    assert optim.plain_step() is not None, f"torch {torch.__version__}: see hvd_cpu/optim.py"
+    where = f"torch {torch.__version__}: see hvd_cpu/model/optim.py"
+    assert optim.dynamo_markers() is not None, where
+    assert optim.plain_step() is not None, where
     assert type(adam(torch.nn.Linear(2, 1).parameters(), lr=0.1)) is optim.Adam
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from hvd_cpu.api import benchmark
 from hvd_cpu.cli import bench, train
-from hvd_cpu.config import TrainConfig
+from hvd_cpu.config.options import TrainConfig
 
 CONFIG_DEFAULTS = {field.name: field.default for field in fields(TrainConfig)}
 

@@ -9,9 +9,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from hvd_cpu.config import TrainConfig
-from hvd_cpu.predict import PredictConfig, load_model, predict
-from hvd_cpu.train import train
+from hvd_cpu.config.options import TrainConfig
+from hvd_cpu.tools.predict import PredictConfig, load_model, predict
+from hvd_cpu.training.train import train
 
 ROWS = 600
 

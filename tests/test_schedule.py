@@ -7,7 +7,7 @@ from itertools import pairwise
 
 import pytest
 
-from hvd_cpu.train import LoopState, scaled_lr, scheduled_lr
+from hvd_cpu.training.train import LoopState, scaled_lr, scheduled_lr
 
 FLAT = [1.0] * 30  # a validation loss that never improves after the first epoch
 

@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from hvd_cpu.data.features import FeatureTransform
-from hvd_cpu.models import Network, parameter_digest
-from hvd_cpu.optim import adam
+from hvd_cpu.model.networks import Network, parameter_digest
+from hvd_cpu.model.optim import adam
 
 from .jobs import BIN, horovodrun, hvd_cpu, load_model, metrics, run, slow_except
 

@@ -18,9 +18,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from hvd_cpu import tracking
-from hvd_cpu.config import TrainConfig
+from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.errors import InputError
+from hvd_cpu.output import tracking
 
 from .jobs import BIN, SLOW, horovodrun, horovodrun_command, hvd_cpu, metrics, run
 from .slurm import free_port
@@ -172,8 +172,8 @@ def test_unreachable_mlflow_ends_the_job_before_training(tmp_path: Path) -> None
 IMPORTED = """
 import sys
 from pathlib import Path
-from hvd_cpu.config import TrainConfig
-from hvd_cpu.train import train
+from hvd_cpu.config.options import TrainConfig
+from hvd_cpu.training.train import train
 train(TrainConfig(epochs=1, output=Path(sys.argv[1]), quiet=True))
 print(sorted({name.split(".")[0] for name in sys.modules} & {"tensorboard", "mlflow"}))
 """

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from hvd_cpu.errors import InputError
-from hvd_cpu.losses import build_loss, check_loss
-from hvd_cpu.models import build_user_model, model_arguments
+from hvd_cpu.model.losses import build_loss, check_loss
+from hvd_cpu.model.networks import build_user_model, model_arguments
 
 from .jobs import SLOW, horovodrun, hvd_cpu, weights
 

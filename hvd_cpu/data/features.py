@@ -41,7 +41,7 @@ LABELS = (
 
 
 class Collectives(Protocol):
-    """How a fit sees the other ranks (hvd_cpu.dist provides the real ones)."""
+    """How a fit sees the other ranks (hvd_cpu.runtime.horovod provides the real ones)."""
 
     def sum(self, values: np.ndarray) -> np.ndarray:
         """Element-wise float64 sum over all ranks."""

@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from hvd_cpu import dist
-from hvd_cpu.config import CONTROLLER_NAMES, TrainConfig, steps_use_horovod
-from hvd_cpu.cores import default_threads
+from hvd_cpu.config.options import CONTROLLER_NAMES, TrainConfig, steps_use_horovod
 from hvd_cpu.errors import InputError, RunFailed
-from hvd_cpu.prepare import prepare
-from hvd_cpu.train import build_trainer
+from hvd_cpu.runtime import horovod as dist
+from hvd_cpu.runtime.cores import default_threads
+from hvd_cpu.training.prepare import prepare
+from hvd_cpu.training.train import build_trainer
 
 # A faster setting is recommended over the requested one only when it is this much faster:
 # below that, the noise of a shared machine could be deciding.

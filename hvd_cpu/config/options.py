@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from hvd_cpu.data.formats import FORMATS
 from hvd_cpu.errors import InputError
-from hvd_cpu.user_code import is_spec
+from hvd_cpu.model.user_code import is_spec
 
 # The demo frame used when no --data is given: small enough that ten epochs over four ranks
 # on two cores take seconds, and that the loss still falls in each of them (on 20 000 rows the

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hvd_cpu.errors import InputError
-from hvd_cpu.user_code import import_object
+from hvd_cpu.model.user_code import import_object
 
 ACTIVATIONS = {"none": None, "relu": nn.ReLU, "gelu": nn.GELU}
 

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvd_cpu import dist
-from hvd_cpu.config import TrainConfig
+from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.data.loader import (
     LocalShardSampler,
@@ -32,14 +31,15 @@ from hvd_cpu.data.loader import (
     ShardedBatches,
     global_sampler,
 )
-from hvd_cpu.direct_allreduce import FlatGradients
 from hvd_cpu.errors import InputError, RunFailed
-from hvd_cpu.losses import Loss
-from hvd_cpu.model_files import CHECKPOINT, MODEL, Checkpoint, ModelFile
-from hvd_cpu.models import parameter_digest
-from hvd_cpu.optim import adam
-from hvd_cpu.prepare import Prepared, checked_output, prepare
-from hvd_cpu.records import EpochMetrics, Progress, Records, say
+from hvd_cpu.model.losses import Loss
+from hvd_cpu.model.networks import parameter_digest
+from hvd_cpu.model.optim import adam
+from hvd_cpu.output.model_files import CHECKPOINT, MODEL, Checkpoint, ModelFile
+from hvd_cpu.output.records import EpochMetrics, Progress, Records, say
+from hvd_cpu.runtime import horovod as dist
+from hvd_cpu.runtime.direct_allreduce import FlatGradients
+from hvd_cpu.training.prepare import Prepared, checked_output, prepare
 
 EVAL_BATCH = 8192  # rows per forward pass when evaluating: no gradients, so bigger is cheaper
 

@@ -1,7 +1,7 @@
 """`hvd-cpu doctor`: check, before a long job, what a multi-host launch needs.
 
 Each host is probed over the same passwordless ssh that horovodrun uses, by running this
-module with the same Python (`python -m hvd_cpu.doctor probe`): the same environment and paths
+module with the same Python (`python -m hvd_cpu.tools.doctor probe`): the same environment and paths
 on every host is a requirement anyway. The probes' answers are then compared here.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 
 import psutil
 
-from hvd_cpu.cores import usable_cores
-from hvd_cpu.hostfile import HostSlots, read_hostfile
+from hvd_cpu.runtime.cores import usable_cores
+from hvd_cpu.tools.hostfile import HostSlots, read_hostfile
 
 SSH_TIMEOUT = 20  # seconds for one host's probe, connection included
 # What the first check wants built into Horovod, keyed as in dist.build_info().
@@ -73,7 +73,7 @@ def _version_of(package: str) -> str | None:
 def _horovod_build() -> dict[str, bool]:
     """What the Horovod here can do; all False when it does not import (missing, or broken)."""
     try:
-        from hvd_cpu import dist
+        from hvd_cpu.runtime import horovod as dist
     except (ImportError, OSError):
         return dict.fromkeys(BUILT, False)
     return dist.build_info()
@@ -114,7 +114,7 @@ def ssh_probe(
         command += ["-p", str(port)]
     if identity:
         command += ["-i", str(identity)]
-    remote = [sys.executable, "-m", "hvd_cpu.doctor", "probe", *([data] if data else [])]
+    remote = [sys.executable, "-m", "hvd_cpu.tools.doctor", "probe", *([data] if data else [])]
     try:
         done = subprocess.run(
             [*command, host, " ".join(map(_quote, remote))],

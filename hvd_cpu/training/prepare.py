@@ -16,8 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hvd_cpu import dist, tracking
-from hvd_cpu.config import DEMO_FEATURES, DEMO_ROWS, TrainConfig
+from hvd_cpu.config.options import DEMO_FEATURES, DEMO_ROWS, TrainConfig
 from hvd_cpu.data.demo import make_demo_frame
 from hvd_cpu.data.features import (
     Arrays,
@@ -29,9 +28,11 @@ from hvd_cpu.data.features import (
 from hvd_cpu.data.frames import InMemory, data_format, open_rows, parquet_rows
 from hvd_cpu.data.parquet import Pieces
 from hvd_cpu.errors import InputError
-from hvd_cpu.losses import Loss, build_loss, check_loss
-from hvd_cpu.model_files import CHECKPOINT, Checkpoint
-from hvd_cpu.models import build_model
+from hvd_cpu.model.losses import Loss, build_loss, check_loss
+from hvd_cpu.model.networks import build_model
+from hvd_cpu.output import tracking
+from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
+from hvd_cpu.runtime import horovod as dist
 
 
 @dataclass

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from tqdm import tqdm
 
-from hvd_cpu.atomic import atomic_write
-from hvd_cpu.config import CONTROLLER_NAMES, TrainConfig
-from hvd_cpu.config_file import RECORD, record
-from hvd_cpu.model_files import MODEL
-from hvd_cpu.tracking import Tracking
+from hvd_cpu.config.files import RECORD, record
+from hvd_cpu.config.options import CONTROLLER_NAMES, TrainConfig
+from hvd_cpu.output.atomic import atomic_write
+from hvd_cpu.output.model_files import MODEL
+from hvd_cpu.output.tracking import Tracking
 
 if TYPE_CHECKING:
-    from hvd_cpu.train import LoopState
+    from hvd_cpu.training.train import LoopState
 
 FEATURES = "features.json"
 # Above this share of training time spent waiting, more processes are not paying for themselves.

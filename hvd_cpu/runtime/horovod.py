@@ -34,10 +34,10 @@ import torch
 from horovod.common.elastic import State, notification_manager
 from horovod.common.exceptions import HostsUpdatedInterrupt
 
-from hvd_cpu.config import CONTROLLER_NAMES
-from hvd_cpu.cores import default_threads
+from hvd_cpu.config.options import CONTROLLER_NAMES
 from hvd_cpu.errors import InputError, RunFailed
-from hvd_cpu.lifecycle import arrange_ending
+from hvd_cpu.runtime.cores import default_threads
+from hvd_cpu.runtime.lifecycle import arrange_ending
 
 # How a Gloo-only build (made where no Open MPI was installed) gets MPI.
 WITH_MPI = (

@@ -14,12 +14,12 @@ import pandas as pd
 import torch
 from torch import nn
 
-from hvd_cpu import dist
 from hvd_cpu.data.features import FeatureTransform, check_unique_columns
 from hvd_cpu.data.frames import check_writable, format_of, open_rows, write_frame
 from hvd_cpu.errors import InputError
-from hvd_cpu.model_files import ModelFile
-from hvd_cpu.models import build_model
+from hvd_cpu.model.networks import build_model
+from hvd_cpu.output.model_files import ModelFile
+from hvd_cpu.runtime import horovod as dist
 
 CHUNK = 8192  # rows per forward pass
 

@@ -18,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hvd_cpu.config import TrainConfig
+from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.errors import InputError, RunFailed
 
 if TYPE_CHECKING:
-    from hvd_cpu.records import EpochMetrics
+    from hvd_cpu.output.records import EpochMetrics
 
 EXTRA = "pip install 'hvd-cpu[tracking]'"
 DEFAULT_EXPERIMENT = "hvd-cpu"  # when neither --mlflow-experiment nor MLFLOW_EXPERIMENT_NAME

@@ -5,7 +5,7 @@ and -H (horovodrun's own --hostfile reader takes no comment, blank line or line 
 slots=), and launch/discover-hosts.sh lists one to horovodrun's elastic mode. One reader, so a
 bad file is the same one line and exit code 2 from each of them:
 
-    python -m hvd_cpu.hostfile total|hosts|discovery FILE
+    python -m hvd_cpu.tools.hostfile total|hosts|discovery FILE
 
 Horovod's elastic mode runs discover-hosts.sh every second, so this module imports only small
 parts of the standard library (no torch, Horovod or pandas): a call costs about what starting
@@ -98,9 +98,9 @@ def render(hosts: list[HostSlots], form: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m hvd_cpu.hostfile FORM FILE`: print the file as FORM, or one line and 2."""
+    """`python -m hvd_cpu.tools.hostfile FORM FILE`: print the file as FORM, or one line and 2."""
     if len(argv) != 2 or argv[0] not in FORMS:
-        print(f"usage: python -m hvd_cpu.hostfile {'|'.join(FORMS)} FILE", file=sys.stderr)
+        print(f"usage: python -m hvd_cpu.tools.hostfile {'|'.join(FORMS)} FILE", file=sys.stderr)
         return 2
     try:
         print(render(read_hostfile(argv[1]), argv[0]))

@@ -18,10 +18,10 @@ import click
 import tomli_w
 import yaml
 
-from hvd_cpu.atomic import atomic_write
+from hvd_cpu.output.atomic import atomic_write
 
 if TYPE_CHECKING:
-    from hvd_cpu.config import TrainConfig
+    from hvd_cpu.config.options import TrainConfig
 
 RECORD = "config.toml"
 # Left out of the record: a rerun starts afresh, and into the same OUTPUT only when the
