@@ -18,7 +18,7 @@ from hvd_cpu.config.options import DEMO_FEATURES, TrainConfig
 from hvd_cpu.data.demo import make_demo_frame
 from hvd_cpu.data.frames import write_frame
 from hvd_cpu.errors import InputError
-from hvd_cpu.runtime import horovod as dist
+from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.cores import usable_cores
 from hvd_cpu.runtime.lifecycle import launch_rank, launch_rank_known
 from hvd_cpu.tools import bench
@@ -73,7 +73,7 @@ def fit(
         )
         if comm is not None:
             return train(config, comm=comm)
-        return dist.launch(_rank_main, (config,), np=np, hosts=hosts, controller=controller)[0]
+        return horovod.launch(_rank_main, (config,), np=np, hosts=hosts, controller=controller)[0]
 
 
 def benchmark(

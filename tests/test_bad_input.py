@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 import torch
 
-from hvd_cpu.data.features import OneProcess, Selection, fit
+from hvd_cpu.data.features import Selection, fit
+from hvd_cpu.runtime.collectives import Alone
 
 from .jobs import (
     RANK_PREFIX,
@@ -656,7 +657,7 @@ def test_timestamps_before_1677_are_numbers_too() -> None:
             "target": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
         }
     )
-    transform = fit(frame, Selection(), "regression", 32, False, OneProcess())
+    transform = fit(frame, Selection(), "regression", 32, False, Alone())
     seconds = transform.features(frame)[:, 0] * transform.outputs[0].std + transform.outputs[0].mean
     assert seconds[:2].tolist() == pytest.approx([-14_831_769_600, 1_577_836_800])
 
@@ -664,6 +665,6 @@ def test_timestamps_before_1677_are_numbers_too() -> None:
 def test_infinite_feature_values_are_filled_and_said_so() -> None:
     """inf is filled with the mean like a missing value, so the note counts it too."""
     frame = pd.DataFrame({"x": [1.0, float("inf"), None, 4.0], "target": [1.0, 2.0, 3.0, 4.0]})
-    transform = fit(frame, Selection(), "regression", 32, False, OneProcess())
+    transform = fit(frame, Selection(), "regression", 32, False, Alone())
     assert transform.report.filled == {"x": 2}
     assert transform.features(frame)[1:3, 0].tolist() == [0.0, 0.0]

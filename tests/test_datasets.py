@@ -12,9 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from hvd_cpu.data.demo import make_demo_frame
-from hvd_cpu.data.features import OneProcess, Selection, fit
+from hvd_cpu.data.features import Selection, fit
 from hvd_cpu.data.frames import parquet_rows, read_frame
 from hvd_cpu.errors import InputError
+from hvd_cpu.runtime.collectives import Alone
 
 from .jobs import SLOW, horovodrun, hvd_cpu, ranks, slow_except
 
@@ -54,7 +55,7 @@ def test_hive_partition_keys_become_columns(tmp_path: Path) -> None:
     assert len(read) == 400
     expected = frame.sort_values(["year", "city"], kind="stable").reset_index(drop=True)
     pd.testing.assert_frame_equal(read, expected, check_dtype=False)
-    transform = fit(read, Selection(), "regression", 32, False, OneProcess())
+    transform = fit(read, Selection(), "regression", 32, False, Alone())
     names = [c.name for c in transform.outputs]
     assert names == ["x0", "x1", "year", "city=oslo", "city=rome"]  # integers stay numbers
 
@@ -85,7 +86,7 @@ def test_encoding_batch_by_batch_equals_encoding_the_whole_frame(tmp_path: Path)
     frame.loc[::7, "target"] = np.nan  # rows without a target are left out of both
     frame.loc[::5, "x1"] = np.nan
     folder = spark_folder(tmp_path / "data", frame, files=3, row_group_size=256)
-    transform = fit(frame, Selection(), "regression", 32, False, OneProcess())
+    transform = fit(frame, Selection(), "regression", 32, False, Alone())
     whole = transform.arrays(frame)
     rows = parquet_rows(folder)
     streamed = transform.encode(rows.batches(), rows.rows)

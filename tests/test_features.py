@@ -9,15 +9,16 @@ import pandas as pd
 import pytest
 
 from hvd_cpu.data.demo import NOISE_STD, make_demo_frame
-from hvd_cpu.data.features import FeatureTransform, OneProcess, Selection, fit
+from hvd_cpu.data.features import FeatureTransform, Selection, fit
 from hvd_cpu.errors import InputError
+from hvd_cpu.runtime.collectives import Alone
 
 from .messy import messy_frame
 
 
 def fit_one(frame: pd.DataFrame, task: str = "regression", max_categories: int = 32, **sel):
     selection = Selection(**sel) if sel else Selection()
-    return fit(frame, selection, task, max_categories, False, OneProcess())
+    return fit(frame, selection, task, max_categories, False, Alone())
 
 
 def test_demo_target_is_linear_in_the_features_plus_noise_of_known_size() -> None:

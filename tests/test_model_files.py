@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from hvd_cpu.config.options import TrainConfig
-from hvd_cpu.data.features import FeatureTransform, OneProcess, Selection, fit
+from hvd_cpu.data.features import FeatureTransform, Selection, fit
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.networks import Network, build_model
 from hvd_cpu.model.optim import adam
 from hvd_cpu.output.atomic import atomic_write
 from hvd_cpu.output.model_files import CHECKPOINT, MODEL, Checkpoint, ModelFile
+from hvd_cpu.runtime.collectives import Alone
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def transform() -> FeatureTransform:
     rng = np.random.default_rng(0)
     frame = pd.DataFrame({"x0": rng.normal(size=50), "x1": rng.normal(size=50)})
     frame["target"] = frame["x0"] - frame["x1"]
-    return fit(frame, Selection(("target",), None, ()), "regression", 32, False, OneProcess())
+    return fit(frame, Selection(("target",), None, ()), "regression", 32, False, Alone())
 
 
 def a_checkpoint(transform: FeatureTransform) -> Checkpoint:

@@ -7,7 +7,8 @@ from itertools import pairwise
 
 import pytest
 
-from hvd_cpu.training.train import LoopState, scaled_lr, scheduled_lr
+from hvd_cpu.training.schedule import scaled_lr, scheduled_lr
+from hvd_cpu.training.state import LoopState
 
 FLAT = [1.0] * 30  # a validation loss that never improves after the first epoch
 
@@ -104,18 +105,18 @@ def test_without_plateau_patience_the_lr_never_changes() -> None:
 
 
 @pytest.mark.parametrize(
-    ("world_size", "scale_lr", "local_sgd", "peak"),
+    ("world_size", "scale_lr", "global_batch_steps", "peak"),
     [
-        (1, True, False, 0.01),
-        (4, True, False, 0.04),
-        (4, False, False, 0.01),  # --no-scale-lr
-        (4, True, True, 0.01),  # --sync-every K > 1: each step sees one rank's batch
+        (1, True, True, 0.01),
+        (4, True, True, 0.04),
+        (4, False, True, 0.01),  # --no-scale-lr
+        (4, True, False, 0.01),  # --sync-every K > 1: each step sees one rank's batch
     ],
 )
 def test_the_lr_scales_with_the_global_batch_only(
-    world_size: int, scale_lr: bool, local_sgd: bool, peak: float
+    world_size: int, scale_lr: bool, global_batch_steps: bool, peak: float
 ) -> None:
-    assert scaled_lr(0.01, world_size, scale_lr, local_sgd) == pytest.approx(peak)
+    assert scaled_lr(0.01, world_size, scale_lr, global_batch_steps) == pytest.approx(peak)
 
 
 def test_warmup_rises_linearly_from_lr_to_the_peak_then_stays_flat() -> None:

@@ -1,8 +1,9 @@
 """From DataFrame columns to float32 matrices: typing, encoding, filling, scaling.
 
 Statistics (means, standard deviations, category levels, classes, counts) are summed over the
-rows of all ranks through the `Collectives` passed in, so `-np 4` fits exactly the
-transformation that one process would fit on the whole table. The fitted `FeatureTransform`
+rows of all ranks through the `Collectives` passed in, so `-np 4` fits the transformation
+that one process would fit on the whole table: the same columns, levels and classes, and
+means and deviations equal beyond float rounding. The fitted `FeatureTransform`
 is plain data (JSON), saved next to the model and applied again by `predict`.
 """
 
@@ -13,13 +14,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import pandas as pd
 from pandas.api import types
 
 from hvd_cpu.errors import InputError
+from hvd_cpu.runtime.collectives import Collectives
 
 Task = Literal["regression", "classification"]
 Kind = Literal["numeric", "bool", "datetime", "timedelta", "category", "empty"]
@@ -38,28 +40,6 @@ LABELS = (
     "categorical",
     "empty",
 )
-
-
-class Collectives(Protocol):
-    """How a fit sees the other ranks (hvd_cpu.runtime.horovod provides the real ones)."""
-
-    def sum(self, values: np.ndarray) -> np.ndarray:
-        """Element-wise float64 sum over all ranks."""
-        ...
-
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's object, in rank order."""
-        ...
-
-
-class OneProcess:
-    """The collectives of a job of one: what predict and single-process tools use."""
-
-    def sum(self, values: np.ndarray) -> np.ndarray:
-        return values
-
-    def gather(self, obj: Any) -> list[Any]:
-        return [obj]
 
 
 @dataclass(frozen=True)
@@ -266,7 +246,9 @@ def fit(
     _check_targets(frame, selection.targets, task, collectives)
     draft = FeatureTransform(task, selection.targets, (), ())
     valid = draft.valid_rows(frame)
-    rows, dropped = collectives.sum(np.array([len(frame), (~valid).sum()], dtype=np.float64))
+    rows, dropped = collectives.sum_numbers(
+        np.array([len(frame), (~valid).sum()], dtype=np.float64)
+    )
     frame = frame[valid]
     report = FitReport(rows=int(rows), dropped_rows=int(dropped))
     classes: tuple[Any, ...] = ()
@@ -349,7 +331,9 @@ def _fit_inputs(
             used.add(column.source)
     if not outputs:
         raise InputError("no usable feature columns: every feature is constant or missing")
-    missing = collectives.sum(np.array([_to_fill(frame[c.name], c) for c in inputs], np.float64))
+    missing = collectives.sum_numbers(
+        np.array([_to_fill(frame[c.name], c) for c in inputs], np.float64)
+    )
     report.filled = {
         c.name: int(n) for c, n in zip(inputs, missing, strict=True) if n and c.name in used
     }
@@ -434,7 +418,9 @@ def _check_targets(
         if len(targets) != 1:
             raise InputError("classification takes exactly one --target column")
         name = targets[0]
-        kinds = sorted({k for k in collectives.gather(_infer(frame[name])) if k not in LABELS})
+        kinds = sorted(
+            {k for k in collectives.gather(_infer(frame[name]), "statistics") if k not in LABELS}
+        )
         if kinds:
             raise InputError(
                 f"target column {name!r} holds {kinds[0]} values, which cannot be class labels; "
@@ -442,7 +428,7 @@ def _check_targets(
             )
         return
     local = [_real_numbers(frame[t]) for t in targets]
-    for name, *numeric in zip(targets, *collectives.gather(local), strict=True):
+    for name, *numeric in zip(targets, *collectives.gather(local, "statistics"), strict=True):
         if not all(numeric):
             raise InputError(
                 f"target column {name!r} is not numeric ({frame[name].dtype}); convert it to "
@@ -500,7 +486,7 @@ def _input_column(
     frame: pd.DataFrame, name: str, max_categories: int, collectives: Collectives
 ) -> InputColumn:
     """Agree with the other ranks on the column's kind (and levels), then describe it."""
-    kinds = {k for k in collectives.gather(_local_kind(frame[name])) if k != "empty"}
+    kinds = {k for k in collectives.gather(_local_kind(frame[name]), "statistics") if k != "empty"}
     unsupported = sorted(k for k in kinds if k.startswith("unsupported"))
     if unsupported:
         raise InputError(
@@ -522,7 +508,7 @@ def _input_column(
             f"column {name!r} has {len(levels)} distinct values, more than --max-categories "
             f"{max_categories}; raise --max-categories, convert it to numbers, or --drop it"
         )
-    if collectives.sum(np.array([labels.isna().sum()], np.float64))[0]:
+    if collectives.sum_numbers(np.array([labels.isna().sum()], np.float64))[0]:
         levels = (*levels, MISSING_LEVEL)
     return InputColumn(name, kind, levels)
 
@@ -566,7 +552,7 @@ def _statistics(
     firsts = over_columns(lambda values, _: (np.isfinite(values).sum(), _nansum(values)))
     names = [(source, name) for source, name, _ in firsts]
     sums_in = np.array([first for *_, first in firsts], np.float64).reshape(-1)
-    counts, sums = collectives.sum(sums_in).reshape(-1, 2).T
+    counts, sums = collectives.sum_numbers(sums_in).reshape(-1, 2).T
     means = np.divide(sums, counts, out=np.zeros_like(sums), where=counts > 0)
     squares = [
         square
@@ -574,8 +560,8 @@ def _statistics(
             lambda v, i: _nansum(np.square(np.subtract(v, means[i], out=v), out=v))
         )
     ]
-    squares = collectives.sum(np.array(squares, np.float64))
-    rows = collectives.sum(np.array([len(frame)], np.float64))[0]
+    squares = collectives.sum_numbers(np.array(squares, np.float64))
+    rows = collectives.sum_numbers(np.array([len(frame)], np.float64))[0]
     stds = np.sqrt(squares / rows) if rows else np.zeros_like(squares)
     return {
         name: ColumnStatistics(source, int(count), float(mean), float(std))
@@ -641,6 +627,8 @@ def _labels(series: pd.Series) -> pd.Series:
 def _union(collectives: Collectives, values: list[Any]) -> tuple[Any, ...]:
     """The sorted union of every rank's values (plain Python scalars, so JSON can hold them)."""
     merged = {
-        v.item() if hasattr(v, "item") else v for part in collectives.gather(values) for v in part
+        v.item() if hasattr(v, "item") else v
+        for part in collectives.gather(values, "statistics")
+        for v in part
     }
     return tuple(sorted(merged, key=lambda v: (type(v).__name__, v)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -15,6 +15,8 @@ from hvd_cpu.errors import InputError
 from hvd_cpu.model.user_code import import_object
 
 ACTIVATIONS = {"none": None, "relu": nn.ReLU, "gelu": nn.GELU}
+# Rows per forward pass when evaluating or predicting: no gradients, so bigger is cheaper.
+EVAL_ROWS = 8192
 
 
 class Network(nn.Module):
@@ -185,3 +187,12 @@ def parameter_digest(model: nn.Module) -> str:
         digest.update(name.encode())
         digest.update(tensor.detach().contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+@torch.no_grad()
+def outputs(model: nn.Module, inputs: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The model's output for each of `inputs` (chunks of at most EVAL_ROWS rows), in eval
+    mode and without autograd (torch's decorator keeps the caller's mode between chunks)."""
+    model.eval()
+    for x in inputs:
+        yield model(x)

@@ -16,13 +16,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.errors import InputError, RunFailed
-
-if TYPE_CHECKING:
-    from hvd_cpu.output.records import EpochMetrics
+from hvd_cpu.training.state import EpochMetrics
 
 EXTRA = "pip install 'hvd-cpu[tracking]'"
 DEFAULT_EXPERIMENT = "hvd-cpu"  # when neither --mlflow-experiment nor MLFLOW_EXPERIMENT_NAME

@@ -5,14 +5,11 @@ Horovod has two controllers, and which one a job uses is decided by how it was s
 `srun --mpi=pmix` or a user's own mpi4py program run MPI, whose shared-memory transport is
 what makes several ranks on one host pay.
 
-In sections: joining and leaving the job (`init`, `World`); launching ranks from Python
-(`launch`); the collectives the rest of hvd-cpu calls, which Horovod carries under Gloo; under
-MPI, hvd-cpu's own mpi4py communicator, which carries them instead; Horovod's elastic mode.
-The data code sees only the `Collectives` it is given; the training code calls the functions
-here whatever the controller, but --allreduce direct (direct_allreduce.py, on `World.comm`)
-and --elastic (train.Job, prepare.prepare, data.loader.ResumableSampler) are modes with code
-of their own there. Cores and threads are in cores.py, how a rank's process ends in
-lifecycle.py.
+In sections: joining and leaving the job (`init`, `World`, whose `collectives` are chosen
+there once: Horovod's, or under MPI our own communicator's, runtime/mpi.py); launching ranks
+from Python (`launch`); Horovod's collectives and its DistributedOptimizer (what the default
+gradient synchronisation of training/sync.py wraps); Horovod's elastic mode. Cores and
+threads are in cores.py, how a rank's process ends in lifecycle.py.
 """
 
 from __future__ import annotations
@@ -23,21 +20,22 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
 import horovod
 import horovod.torch as hvd
-import numpy as np
 import torch
 from horovod.common.elastic import State, notification_manager
 from horovod.common.exceptions import HostsUpdatedInterrupt
 
 from hvd_cpu.config.options import CONTROLLER_NAMES
 from hvd_cpu.errors import InputError, RunFailed
+from hvd_cpu.runtime.collectives import Alone, Collectives
 from hvd_cpu.runtime.cores import default_threads
 from hvd_cpu.runtime.lifecycle import arrange_ending
+from hvd_cpu.runtime.mpi import MpiCollectives, checked_communicator
 
 # How a Gloo-only build (made where no Open MPI was installed) gets MPI.
 WITH_MPI = (
@@ -49,7 +47,6 @@ MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 # When no step needs it (--allreduce direct, local SGD over MPI) a long cycle keeps it from
 # taking the training thread's core a thousand times a second.
 IDLE_CYCLE_MS = "100"
-T = TypeVar("T")
 # Raised by a collective when another rank has gone (crashed, killed, host lost).
 PeerLost = hvd.HorovodInternalError
 
@@ -63,12 +60,16 @@ class World:
     local_rank: int
     local_size: int
     threads: int
+    collectives: Collectives
     controller: str = "gloo"  # "mpi" or "gloo": who carries Horovod's collectives
-    comm: Any = None  # MPI only: an mpi4py communicator of the job's ranks, for our own calls
 
     @property
     def is_root(self) -> bool:
         return self.rank == 0
+
+    def alone(self) -> World:
+        """This process as a job of one (a rank under --elastic preparing on its own)."""
+        return replace(self, rank=0, size=1, collectives=Alone())
 
 
 # Joining and leaving the job
@@ -82,31 +83,37 @@ def init(threads: int | None = None, comm: Any = None, horovod_steps: bool = Tru
     would start one thread per core, and N ranks on N cores would fight over N x N threads.
     `horovod_steps=False` says no training step will use Horovod (see IDLE_CYCLE_MS).
     """
-    global _job_comm
     arrange_ending()
+    collectives: Collectives = HorovodCollectives()
     if comm is not None or mpi_launched():
-        comm = _mpi_communicator(comm)
+        if not hvd.mpi_built():
+            raise InputError(
+                "started by an MPI launcher, but this Horovod was built without MPI; "
+                f"{WITH_MPI}, or launch with horovodrun --gloo"
+            )
+        comm = checked_communicator(comm)
         if not horovod_steps:
             os.environ.setdefault("HOROVOD_CYCLE_TIME", IDLE_CYCLE_MS)
         hvd.init(comm=comm)
-        comm = _job_comm = comm.Dup()  # our messages never meet Horovod's or the caller's
+        collectives = MpiCollectives(comm.Dup())
     else:
         # A plain process is a job of one: Gloo's needs no launcher (MPI's would start a
         # singleton MPI runtime for nothing).
         os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
         os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
         hvd.init()
-    return _world(threads, hvd.local_size(), comm)
+    return _world(threads, hvd.local_size(), collectives)
 
 
-def _world(threads: int | None, ranks_here: int, comm: Any) -> World:
+def _world(threads: int | None, ranks_here: int, collectives: Collectives) -> World:
     """The World, with this rank's share of the machine's cores unless `threads` is fixed."""
     controller = "mpi" if hvd.mpi_enabled() else "gloo"
     threads = threads or default_threads(ranks_here)
     torch.set_num_threads(threads)
     return World(
-        hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), threads, controller, comm
-    )
+        hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), threads, collectives,
+        controller,
+    )  # fmt: skip
 
 
 def mpi_launched() -> bool:
@@ -190,35 +197,26 @@ def check_mpi_launcher() -> None:
         )
 
 
-# Collectives: under MPI over the job's own communicator (next section), else Horovod's
+# Horovod's collectives and its DistributedOptimizer
 
 
-def agree_on_error(message: str | None, kind: type[Exception] = InputError) -> None:
-    """Raise the same error (InputError, or `kind`) on every rank if any rank found one.
+class HorovodCollectives(Collectives):
+    """The job's collectives through Horovod's background cycle (all there is under Gloo)."""
 
-    Every rank calls this once after reading its input, so a problem seen by one rank only
-    (a file missing on one host) ends all ranks instead of leaving them in a collective.
-    """
-    reports = gather((socket.gethostname(), message), name="agree_on_error")
-    failed = [(rank, host, text) for rank, (host, text) in enumerate(reports) if text]
-    if failed:
-        rank, host, text = failed[0]
-        everywhere = len(failed) == len(reports)
-        raise kind(text if everywhere else f"on rank {rank} ({host}): {text}")
+    def sum(self, values: torch.Tensor, name: str) -> torch.Tensor:
+        return hvd.allreduce(values, op=hvd.Sum, name=name)
 
+    def average_(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return hvd.allreduce_(tensor, op=hvd.Average, name=name)
 
-def agreed(step: Callable[[], T], world: World | None = None) -> T:
-    """Run a step on every rank; bad input on any rank ends every rank here, together.
-    A `world` of one (an elastic rank preparing alone) has nobody to agree with."""
-    if world is not None and world.size == 1:
-        return step()
-    error, value = None, None
-    try:
-        value = step()
-    except InputError as exc:
-        error = str(exc)
-    agree_on_error(error)
-    return value  # type: ignore[return-value]
+    def broadcast_(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        hvd.broadcast_parameters(tensors, root_rank=0)
+
+    def broadcast_object(self, obj: Any, name: str) -> Any:
+        return hvd.broadcast_object(obj, root_rank=0, name=name)
+
+    def gather(self, obj: Any, name: str) -> list[Any]:
+        return hvd.allgather_object(obj, name=name)
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
@@ -239,118 +237,6 @@ def averaged_step(optimizer: Any) -> float:
     return waited
 
 
-def average_parameters(model: torch.nn.Module) -> float:
-    """Local SGD: replace every rank's parameters with their mean over all ranks, as one
-    allreduce; returns the seconds it took."""
-    start = time.perf_counter()
-    parameters = list(model.parameters())
-    flat = torch.nn.utils.parameters_to_vector(parameters)
-    if _job_comm is None:
-        hvd.allreduce_(flat, op=hvd.Average, name="average_parameters")
-    else:
-        _mpi_sum_(flat.detach()).mul_(1.0 / _job_comm.Get_size())
-    with torch.no_grad():
-        for parameter, mean in zip(
-            parameters, flat.split([p.numel() for p in parameters]), strict=True
-        ):
-            parameter.copy_(mean.view_as(parameter))
-    return time.perf_counter() - start
-
-
-def broadcast_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Start every rank from rank 0's parameters and optimizer state.
-
-    The optimizer state goes as one object: Horovod's broadcast_optimizer_state would first
-    take a zero-gradient step on a fresh optimizer, which shifts Adam's bias correction.
-    """
-    if _job_comm is None:
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    else:
-        _mpi_broadcast_(model.state_dict().values())
-    optimizer.load_state_dict(
-        broadcast_object(optimizer.state_dict() if hvd.rank() == 0 else None, "optimizer_state")
-    )
-
-
-def broadcast_object(obj: Any, name: str) -> Any:
-    """Rank 0's object on every rank (other ranks pass anything, typically None)."""
-    if _job_comm is not None:
-        return _job_comm.bcast(obj, root=0)
-    return hvd.broadcast_object(obj, root_rank=0, name=name)
-
-
-def sum_over_ranks(values: torch.Tensor, name: str) -> torch.Tensor:
-    """Element-wise sum of a small tensor over all ranks (for metrics, not gradients)."""
-    if _job_comm is not None:
-        return _mpi_sum_(values.clone())
-    return hvd.allreduce(values, op=hvd.Sum, name=name)
-
-
-def gather(obj: Any, name: str) -> list[Any]:
-    """Every rank's object, in rank order, on every rank. `name` must be the same on every
-    rank (Horovod matches collectives by name; its default, the object's type, may differ)."""
-    if _job_comm is not None:
-        return _job_comm.allgather(obj)
-    return hvd.allgather_object(obj, name=name)
-
-
-class Collectives:
-    """The statistics collectives that data.features needs, over all ranks of the job."""
-
-    def sum(self, values: np.ndarray) -> np.ndarray:
-        tensor = torch.from_numpy(np.array(values, dtype=np.float64))
-        return sum_over_ranks(tensor, name="statistics").numpy()
-
-    def gather(self, obj: Any) -> list[Any]:
-        return gather(obj, name="statistics")
-
-
-# Under MPI: hvd-cpu's own communicator, beside Horovod's
-
-# Our own duplicate of the job's communicator, which hvd-cpu's collectives use directly
-# (microseconds) instead of Horovod's cycle (milliseconds). None under Gloo.
-_job_comm: Any = None
-
-
-def _mpi_communicator(comm: Any) -> Any:
-    """The communicator the job runs on: `comm`, or all ranks MPI started; MPI initialised
-    by mpi4py (which asks for MPI_THREAD_MULTIPLE) and checked for what Horovod needs."""
-    if not hvd.mpi_built():
-        raise InputError(
-            "started by an MPI launcher, but this Horovod was built without MPI; "
-            f"{WITH_MPI}, or launch with horovodrun --gloo"
-        )
-    from mpi4py import MPI
-
-    level = MPI.Query_thread()
-    if level < MPI.THREAD_MULTIPLE:
-        names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled"}
-        raise InputError(
-            f"MPI gives thread level {names.get(level, 'serialized')}, Horovod needs "
-            "MPI_THREAD_MULTIPLE; initialise MPI with it (mpi4py.rc.thread_level = 'multiple') "
-            "and use Open MPI's ob1 transport (mpirun --mca pml ob1), or launch with "
-            "horovodrun --gloo"
-        )
-    return MPI.COMM_WORLD if comm is None else comm
-
-
-def _mpi_sum_(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` (contiguous, on the CPU) replaced in place by its sum over the job's ranks."""
-    from mpi4py import MPI
-
-    _job_comm.Allreduce(MPI.IN_PLACE, tensor.numpy(), op=MPI.SUM)
-    return tensor
-
-
-def _mpi_broadcast_(tensors: Iterable[torch.Tensor]) -> None:
-    """Each of `tensors` (on the CPU) replaced in place by rank 0's."""
-    for tensor in tensors:
-        data = tensor.reshape(-1).contiguous()  # the tensor itself, unless it is strided
-        _job_comm.Bcast(data.view(torch.uint8).numpy(), root=0)
-        if data.data_ptr() != tensor.data_ptr():
-            tensor.copy_(data.view_as(tensor))
-
-
 # Elastic mode (horovodrun --host-discovery-script): ranks may go and come
 
 
@@ -367,7 +253,8 @@ def elastic_world(threads: int | None) -> World:
     A collective, so call it inside the elastic loop only.
     """
     here = socket.gethostname()
-    return _world(threads, gather(here, "machine_names").count(here), None)
+    collectives = HorovodCollectives()
+    return _world(threads, collectives.gather(here, "machine_names").count(here), collectives)
 
 
 class ElasticState(State):
@@ -398,7 +285,7 @@ class ElasticState(State):
 
     def sync(self) -> None:
         self._sync()
-        self.failures = broadcast_object(self.failures, "elastic_failures")
+        self.failures = hvd.broadcast_object(self.failures, root_rank=0, name="elastic_failures")
         self.save()
 
 

@@ -29,7 +29,7 @@ from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.runtime import horovod as dist
 from hvd_cpu.runtime.cores import default_threads
 from hvd_cpu.training.prepare import prepare
-from hvd_cpu.training.train import build_trainer
+from hvd_cpu.training.trainer import build_trainer
 
 # A faster setting is recommended over the requested one only when it is this much faster:
 # below that, the noise of a shared machine could be deciding.

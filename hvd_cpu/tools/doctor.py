@@ -26,7 +26,7 @@ from hvd_cpu.runtime.cores import usable_cores
 from hvd_cpu.tools.hostfile import HostSlots, read_hostfile
 
 SSH_TIMEOUT = 20  # seconds for one host's probe, connection included
-# What the first check wants built into Horovod, keyed as in dist.build_info().
+# What the first check wants built into Horovod, keyed as in runtime.horovod.build_info().
 BUILT = {"pytorch": "PyTorch", "mpi": "MPI", "gloo": "Gloo"}
 
 
@@ -73,10 +73,10 @@ def _version_of(package: str) -> str | None:
 def _horovod_build() -> dict[str, bool]:
     """What the Horovod here can do; all False when it does not import (missing, or broken)."""
     try:
-        from hvd_cpu.runtime import horovod as dist
+        from hvd_cpu.runtime import horovod
     except (ImportError, OSError):
         return dict.fromkeys(BUILT, False)
-    return dist.build_info()
+    return horovod.build_info()
 
 
 def open_mpi() -> dict[str, str | None]:

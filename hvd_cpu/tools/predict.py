@@ -17,11 +17,9 @@ from torch import nn
 from hvd_cpu.data.features import FeatureTransform, check_unique_columns
 from hvd_cpu.data.frames import check_writable, format_of, open_rows, write_frame
 from hvd_cpu.errors import InputError
-from hvd_cpu.model.networks import build_model
+from hvd_cpu.model.networks import EVAL_ROWS, build_model, outputs
 from hvd_cpu.output.model_files import ModelFile
-from hvd_cpu.runtime import horovod as dist
-
-CHUNK = 8192  # rows per forward pass
+from hvd_cpu.runtime import horovod
 
 
 @dataclass(frozen=True)
@@ -37,7 +35,7 @@ class PredictConfig:
 
 
 def load(
-    config: PredictConfig, world: dist.World
+    config: PredictConfig, world: horovod.World
 ) -> tuple[nn.Module, FeatureTransform, pd.DataFrame]:
     """The model, its transformation and this rank's contiguous block of the new rows, with
     their columns checked; rank 0, which writes the output, first checks that it can. Parquet
@@ -113,13 +111,10 @@ def predictions(
     """One row of predictions per row of `frame`, in order (none for none: a rank of a job
     with fewer rows than ranks)."""
     x = torch.from_numpy(transform.features(frame))
-    model.eval()
-    with torch.no_grad():
-        out = (
-            torch.cat([model(chunk) for chunk in x.split(CHUNK)])
-            if len(x)
-            else torch.zeros(0, transform.n_outputs)
-        )
+    if len(x):
+        out = torch.cat(list(outputs(model, x.split(EVAL_ROWS))))
+    else:
+        out = torch.zeros(0, transform.n_outputs)
     names = output_names(transform)
     result: dict[str, Any] = {}
     if id_column is not None:
@@ -138,11 +133,12 @@ def predictions(
 
 def predict(config: PredictConfig) -> pd.DataFrame | None:
     """Predict on every rank's block of rows; rank 0 writes them all and returns them."""
-    world = dist.init()
-    model, transform, block = dist.agreed(lambda: load(config, world))
+    world = horovod.init()
+    agreed = world.collectives.agreed
+    model, transform, block = agreed(lambda: load(config, world))
     # agreed: a value that does not parse may sit in one rank's block only
-    mine = dist.agreed(lambda: predictions(model, transform, block, config.id_column))
-    parts = dist.gather(mine, "predictions")
+    mine = agreed(lambda: predictions(model, transform, block, config.id_column))
+    parts = world.collectives.gather(mine, "predictions")
     if not world.is_root:
         return None
     # Ranks without rows send empty parts, whose column types would change the others'.

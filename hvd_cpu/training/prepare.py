@@ -1,7 +1,7 @@
 """Everything before the first step, on every rank: output checks, reading, fitting, encoding,
 splitting off validation rows, building the model.
 
-Each step that can meet bad input runs through `dist.agreed`: if any rank fails, every rank
+Each step that can meet bad input runs through `collectives.agreed`: if any rank fails, every rank
 raises the same InputError at the same point, so none is left waiting in a collective and
 rank 0 reports it once.
 """
@@ -9,7 +9,7 @@ rank 0 reports it once.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,6 @@ from hvd_cpu.data.demo import make_demo_frame
 from hvd_cpu.data.features import (
     Arrays,
     FeatureTransform,
-    OneProcess,
     Selection,
     fit,
 )
@@ -32,7 +31,7 @@ from hvd_cpu.model.losses import Loss, build_loss, check_loss
 from hvd_cpu.model.networks import build_model
 from hvd_cpu.output import tracking
 from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
-from hvd_cpu.runtime import horovod as dist
+from hvd_cpu.runtime.horovod import World
 
 
 @dataclass
@@ -49,7 +48,7 @@ class Prepared:
     resumed: Checkpoint | None  # rank 0: the checkpoint to continue from
 
 
-def check_output(config: TrainConfig, world: dist.World) -> Checkpoint | None:
+def check_output(config: TrainConfig, world: World) -> Checkpoint | None:
     """Rank 0: refuse to overwrite an earlier run's checkpoint, or load it for --resume; and
     check that the tracking asked for can log (only rank 0 logs)."""
     if not world.is_root:
@@ -99,12 +98,12 @@ def load_features(config: TrainConfig) -> dict[str, Any]:
     return Checkpoint.load(config.output / CHECKPOINT).features
 
 
-def checked_output(config: TrainConfig, world: dist.World) -> Checkpoint | None:
+def checked_output(config: TrainConfig, world: World) -> Checkpoint | None:
     """check_output, agreed by every rank (under --elastic, once the ranks are together)."""
-    return dist.agreed(lambda: check_output(config, world), world)
+    return world.collectives.agreed(lambda: check_output(config, world))
 
 
-def read_rows(config: TrainConfig, world: dist.World) -> tuple[Pieces | InMemory, int, int | None]:
+def read_rows(config: TrainConfig, world: World) -> tuple[Pieces | InMemory, int, int | None]:
     """(the rows this rank trains from, the bounds of its disjoint part of them for fitting
     statistics).
 
@@ -132,29 +131,28 @@ def read_rows(config: TrainConfig, world: dist.World) -> tuple[Pieces | InMemory
 
 
 def encode(
-    config: TrainConfig, world: dist.World, fitted: dict[str, Any] | None
+    config: TrainConfig, world: World, fitted: dict[str, Any] | None
 ) -> tuple[FeatureTransform, Arrays]:
     """Read this rank's part, fit the transformation over all ranks (or take the resumed
     one), then encode this rank's rows batch by batch into matrices made once: the part is
     dropped before, so the frame and the matrices are not in memory together (for parquet)."""
-    rows, start, stop = dist.agreed(lambda: read_rows(config, world), world)
+    agreed = world.collectives.agreed
+    rows, start, stop = agreed(lambda: read_rows(config, world))
     if fitted is not None:
         transform = FeatureTransform.from_dict(fitted)
     else:
         selection = Selection(config.targets, config.features, config.drop)
-        collectives = OneProcess() if world.size == 1 else dist.Collectives()
-        transform = dist.agreed(
+        transform = agreed(
             lambda: fit(
                 rows.frame(start, stop),
                 selection,
                 config.task,
                 config.max_categories,
                 config.standardize_target,
-                collectives,
-            ),
-            world,
+                world.collectives,
+            )
         )
-    return transform, dist.agreed(lambda: transform.encode(rows.batches(), rows.rows), world)
+    return transform, agreed(lambda: transform.encode(rows.batches(), rows.rows))
 
 
 def split(rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +167,7 @@ def split(rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Te
     return torch.from_numpy(train), torch.from_numpy(val)
 
 
-def prepare(config: TrainConfig, world: dist.World) -> Prepared:
+def prepare(config: TrainConfig, world: World) -> Prepared:
     """Check the output, read, fit, encode, split and build on every rank, agreeing on bad
     input after each step.
 
@@ -179,12 +177,12 @@ def prepare(config: TrainConfig, world: dist.World) -> Prepared:
     come later, from `checked_output` inside the elastic loop.
     """
     if config.elastic:
-        world = replace(world, rank=0, size=1)
+        world = world.alone()
         resumed = None
         fitted = load_features(config) if config.resume else None
     else:
         resumed = checked_output(config, world)
-        fitted = dist.broadcast_object(resumed.features if resumed else None, "fitted")
+        fitted = world.collectives.broadcast_object(resumed.features if resumed else None, "fitted")
     transform, arrays = encode(config, world, fitted)
 
     if config.shard_read:  # each rank holds its own rows: hold out some of them
@@ -192,7 +190,7 @@ def prepare(config: TrainConfig, world: dist.World) -> Prepared:
     else:  # every rank holds all rows: hold out the same ones, then share them out
         train_rows, val_rows = split(len(arrays), config.val_fraction, config.seed)
         val_rows = val_rows[world.rank :: world.size]
-    lengths = [len(train_rows)] if world.size == 1 else dist.gather(len(train_rows), "train_rows")
+    lengths = world.collectives.gather(len(train_rows), "train_rows")
     if min(lengths) == 0 or (not config.shard_read and lengths[0] < world.size):
         raise InputError(
             f"too few rows with a usable target to train {world.size} rank(s) "
@@ -216,5 +214,5 @@ def prepare(config: TrainConfig, world: dist.World) -> Prepared:
             check_loss(loss_fn, config.loss, output, torch.from_numpy(arrays.y[sample]))
         return model, loss_fn
 
-    model, loss_fn = dist.agreed(build, world)
+    model, loss_fn = world.collectives.agreed(build)
     return Prepared(transform, arrays, train_rows, val_rows, max(lengths), model, loss_fn, resumed)

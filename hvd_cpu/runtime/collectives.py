@@ -1,0 +1,103 @@
+"""What the ranks exchange beside the training step's own synchronisation: one interface, one
+object per backend, chosen once when a rank joins the job and held by its `World`.
+
+Backends: Horovod's collectives (runtime/horovod.py; under Gloo they are all there is), an
+mpi4py communicator beside Horovod (runtime/mpi.py; microseconds instead of Horovod's cycle of
+milliseconds) and `Alone`, the job of one (a plain process, predict, a rank preparing alone
+under --elastic). A new backend is one new subclass.
+"""
+
+from __future__ import annotations
+
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from hvd_cpu.errors import InputError
+
+T = TypeVar("T")
+
+
+class Collectives(ABC):
+    """Collectives over every rank of the job. `name` must be the same on every rank (Horovod
+    matches collectives by name); backends that match by order ignore it."""
+
+    # Whether a collective runs in the calling thread, at once (what --allreduce direct needs),
+    # rather than on a background thread's next cycle.
+    in_calling_thread = False
+
+    @abstractmethod
+    def sum(self, values: torch.Tensor, name: str) -> torch.Tensor:
+        """A new tensor: the element-wise sum of `values` over all ranks (metrics, counts)."""
+
+    @abstractmethod
+    def average_(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """`tensor` (contiguous) replaced in place by its mean over all ranks."""
+
+    @abstractmethod
+    def broadcast_(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Each of `tensors` (a state_dict) replaced in place by rank 0's."""
+
+    @abstractmethod
+    def broadcast_object(self, obj: Any, name: str) -> Any:
+        """Rank 0's object on every rank (other ranks pass anything, typically None)."""
+
+    @abstractmethod
+    def gather(self, obj: Any, name: str) -> list[Any]:
+        """Every rank's object, in rank order, on every rank."""
+
+    def sum_numbers(self, values: np.ndarray) -> np.ndarray:
+        """`sum` for the statistics of a fit (data/features.py): float64 arrays."""
+        tensor = torch.from_numpy(np.array(values, dtype=np.float64))
+        return self.sum(tensor, "statistics").numpy()
+
+    def agree_on_error(self, message: str | None, kind: type[Exception] = InputError) -> None:
+        """Raise the same error (InputError, or `kind`) on every rank if any rank found one.
+
+        Every rank calls this once after reading its input, so a problem seen by one rank only
+        (a file missing on one host) ends all ranks instead of leaving them in a collective.
+        """
+        reports = self.gather((socket.gethostname(), message), "agree_on_error")
+        failed = [(rank, host, text) for rank, (host, text) in enumerate(reports) if text]
+        if failed:
+            rank, host, text = failed[0]
+            everywhere = len(failed) == len(reports)
+            raise kind(text if everywhere else f"on rank {rank} ({host}): {text}")
+
+    def agreed(self, step: Callable[[], T]) -> T:
+        """Run a step on every rank; bad input on any rank ends every rank here, together."""
+        error, value = None, None
+        try:
+            value = step()
+        except InputError as exc:
+            error = str(exc)
+        self.agree_on_error(error)
+        return value  # type: ignore[return-value]
+
+
+class Alone(Collectives):
+    """The job of one: every collective is this process's own value."""
+
+    in_calling_thread = True
+
+    def sum(self, values: torch.Tensor, name: str) -> torch.Tensor:
+        return values.clone()
+
+    def average_(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return tensor
+
+    def broadcast_(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        pass
+
+    def broadcast_object(self, obj: Any, name: str) -> Any:
+        return obj
+
+    def gather(self, obj: Any, name: str) -> list[Any]:
+        return [obj]
+
+    def agreed(self, step: Callable[[], T]) -> T:
+        return step()  # nobody to agree with: the error goes up as it is

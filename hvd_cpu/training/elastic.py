@@ -1,0 +1,96 @@
+"""--elastic, in one place on the training side: the job runs inside Horovod's elastic loop
+(runtime/horovod.py), again each time ranks come or go, from the state all ranks just took
+from rank 0. What the loop keeps (`capture`), puts back (`apply`) and shares (`sync`) is here,
+beside the two things elastic changes elsewhere: each rank prepares alone
+(training/prepare.py) and the sampler goes on mid-epoch (data/loader.py, ResumableSampler).
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from typing import Any
+
+from hvd_cpu.errors import InputError, RunFailed
+from hvd_cpu.output.console import say
+from hvd_cpu.output.model_files import CHECKPOINT
+from hvd_cpu.runtime import horovod
+from hvd_cpu.runtime.horovod import World
+from hvd_cpu.training.job import Job
+from hvd_cpu.training.prepare import checked_output
+
+
+def check_launched() -> None:
+    """--elastic needs horovodrun's elastic mode to have started this process."""
+    if not horovod.elastic_launched():
+        raise InputError(
+            "--elastic needs horovodrun's elastic mode: start it with launch/elastic.sh (or "
+            "horovodrun --gloo --min-np N --host-discovery-script FILE), or leave out --elastic"
+        )
+
+
+class ElasticJob:
+    """A Job run by Horovod's elastic loop: after a lost rank the survivors roll back to the
+    last commit, after ranks came or went every rank goes on from rank 0's."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.state = horovod.ElasticState(self.capture, self.apply, self.sync)
+
+    def run(self) -> None:
+        """The whole run, or RunFailed after more than --max-restarts lost ranks."""
+        job, config = self.job, self.job.config
+        try:
+            horovod.run_elastic(self.state, self._run_once, config.max_restarts)
+        except RunFailed as failed:
+            kept = f"{config.output / CHECKPOINT} holds epoch {job.saved_epoch}"
+            raise RunFailed(
+                f"{failed}; {kept if job.saved_epoch else 'no checkpoint was written'}: "
+                "find what ends the ranks, then run again with --resume (or raise "
+                "--max-restarts)"
+            ) from failed
+
+    def capture(self) -> dict[str, Any]:
+        # Not saved_epoch: it tells what is on disk, which a rollback does not undo.
+        return {**self.job.trainer.snapshot(), "started": self.job.started}
+
+    def apply(self, saved: dict[str, Any]) -> None:
+        self.job.trainer.load(saved["model"], saved["optimizer"], saved["loop"])
+        self.job.started = saved["started"]
+
+    def sync(self) -> None:
+        job = self.job
+        job.trainer.sync_from_root()
+        shared = job.trainer.collectives.broadcast_object(
+            (job.started, job.saved_epoch), "job_state"
+        )
+        job.started, job.saved_epoch = shared
+
+    def _run_once(self) -> None:
+        """One pass of the elastic loop, on the ranks there are now."""
+        job, state = self.job, self.state
+        world = horovod.elastic_world(job.config.threads)
+        before = job.trainer.world_size
+        job.trainer.resize(world)
+        if not job.started:
+            job.start(world, checked_output(job.config, world))
+            state.commit()
+        else:
+            job.write_root(world, partial(self._going_on, world, before))
+        trainer, every = job.trainer, job.config.commit_every
+
+        def after_step() -> None:
+            if trainer.state.step % every == 0:
+                state.commit()
+
+        job.run(world, after_step, state.commit)
+
+    def _going_on(self, world: World, before: int) -> None:
+        """Rank 0 says how the job goes on after ranks came or went."""
+        self.job.open_records(world, [])
+        loop = self.job.trainer.state
+        say(
+            f"hvd-cpu: {before} -> {world.size} ranks; going on from the last commit "
+            f"(epoch {loop.epoch + 1}, step {loop.step}, {loop.epoch_rows} rows into it)",
+            sys.stderr,
+        )

@@ -1,0 +1,152 @@
+"""One training run as every rank sees it: the epochs, rank 0's writing (agreed by all, so a
+full disk ends every rank with one line) and the results."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+from hvd_cpu.config.options import TrainConfig
+from hvd_cpu.data.features import FeatureTransform
+from hvd_cpu.errors import InputError, RunFailed
+from hvd_cpu.output.model_files import CHECKPOINT, MODEL, Checkpoint, ModelFile
+from hvd_cpu.output.records import Records
+from hvd_cpu.runtime.horovod import World
+from hvd_cpu.training.prepare import Prepared
+from hvd_cpu.training.state import EpochMetrics
+from hvd_cpu.training.trainer import Trainer, rank_report
+
+
+class Job:
+    """The epochs left, rank 0's records and the results, from the state all ranks share.
+
+    A plain run starts once and runs its epochs; under --elastic (training/elastic.py) the same
+    steps run again each time ranks come or go.
+    """
+
+    def __init__(self, config: TrainConfig, prepared: Prepared, trainer: Trainer) -> None:
+        self.config, self.prepared, self.trainer = config, prepared, trainer
+        self.records: Records | None = None
+        self.saved_epoch: int | None = None  # the epoch checkpoint.pt holds, once written
+        self.started = False  # the output is checked and the run's first records written
+        self.first_step_unix = 0.0  # launch to here is the start-up cost (ranks.json)
+
+    def start(self, world: World, resumed: Checkpoint | None) -> None:
+        """Every rank takes rank 0's starting point (`resumed`, if any); rank 0 opens its
+        records."""
+        self.trainer.restore(resumed)
+        self.saved_epoch = self.trainer.state.epoch if resumed else None
+        self.started = True
+        notes = self.prepared.transform.report.lines()
+        self.write_root(world, partial(self.open_records, world, notes))
+
+    def open_records(self, world: World, notes: list[str]) -> None:
+        """Rank 0: (re)start its records from the loop's history; rank 0 may be new, and the
+        last commit may be older than the last epoch written."""
+        if self.records is None:
+            self.records = Records(self.config, world.size, world.controller)
+        self.records.world_size = world.size
+        self.records.start(notes, self.trainer.state.history)
+
+    def write_root(self, world: World, write: Callable[[], None]) -> None:
+        """Rank 0 writes and every rank agrees it worked, so every epoch also starts on all
+        ranks together (rank 0's writing is not counted as the others' waiting)."""
+        written_by_root(world, write, self.config.output, self.saved_epoch)
+
+    def run(
+        self,
+        world: World,
+        after_step: Callable[[], None] | None = None,
+        after_epoch: Callable[[], None] | None = None,
+    ) -> None:
+        """The epochs left, then the results."""
+        trainer, config = self.trainer, self.config
+        self.first_step_unix = self.first_step_unix or time.time()
+        while not trainer.done():
+            epoch = trainer.state.epoch + 1
+            progress = self.records.progress(epoch, len(trainer.batches)) if world.is_root else None
+            metrics = trainer.run_epoch(progress, after_step)
+            if progress:
+                progress.close()
+            check_finite(metrics, config, self.saved_epoch)
+            save = trainer.done() or metrics.epoch % config.checkpoint_every == 0
+            saving = trainer if save else None
+            self.write_root(
+                world, partial(write_epoch, self.records, metrics, saving, self.prepared.transform)
+            )
+            if save:
+                self.saved_epoch = metrics.epoch
+            if after_epoch:
+                after_epoch()
+        self._finish(world)
+
+    def _finish(self, world: World) -> None:
+        trainer, model, transform = self.trainer, self.trainer.model, self.prepared.transform
+        report = rank_report(world, trainer, self.first_step_unix)
+        reports = world.collectives.gather(report, "rank_reports")
+
+        def write_results() -> None:
+            records = self.records
+            records.ranks(reports)
+            records.features(transform.to_dict())
+            ModelFile.export(self.config, model, transform).save(self.config.output / MODEL)
+            records.summary(trainer.state)
+            records.close(failed=False)
+
+        self.write_root(world, write_results)
+
+    def close(self, failed: bool) -> None:
+        """Rank 0 ends its tracking; a job that fails marks its MLflow run failed."""
+        if self.records:
+            self.records.close(failed)
+
+
+def write_epoch(
+    records: Records, metrics: EpochMetrics, saving: Trainer | None, transform: FeatureTransform
+) -> None:
+    """Rank 0, after an epoch: its line and metrics, and the checkpoint of `saving`, if any."""
+    records.epoch(metrics)
+    if saving:
+        saving.checkpoint(transform).save(records.output / CHECKPOINT)
+
+
+def written_by_root(
+    world: World, write: Callable[[], None], output: Path, saved: int | None
+) -> None:
+    """Rank 0 writes; then every rank learns whether that worked, so a full disk (or a tracking
+    server that cannot start a run) ends all of them with one line (and no peer is left
+    waiting in the next collective)."""
+    failure = None
+    if world.is_root:
+        try:
+            write()
+        except RunFailed as exc:
+            failure = str(exc)
+        except OSError as exc:
+            kept = f"{CHECKPOINT} there holds epoch {saved}" if saved else "no checkpoint was kept"
+            failure = (
+                f"could not write to {output}: {exc.strerror}; {kept}; "
+                "free space (or choose another --output) and run again with --resume"
+            )
+    world.collectives.agree_on_error(failure, RunFailed)
+
+
+def check_finite(metrics: EpochMetrics, config: TrainConfig, saved_epoch: int | None) -> None:
+    """Stop a diverging run before it checkpoints or exports parameters that are not finite.
+    Every rank sees the same allreduced losses, so every rank stops here together."""
+    losses = [metrics.train_loss, metrics.val_loss]
+    if all(loss is None or math.isfinite(loss) for loss in losses):
+        return
+    kept = (
+        f"{config.output / CHECKPOINT} holds epoch {saved_epoch}"
+        if saved_epoch
+        else "no checkpoint of this run was written"
+    )
+    raise InputError(
+        f"training diverged in epoch {metrics.epoch} (train loss {metrics.train_loss:g}); "
+        f"{kept}; lower --lr (now {metrics.lr:g}), add --warmup-epochs, or "
+        "--standardize-target for a target with large values"
+    )
