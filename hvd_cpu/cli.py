@@ -6,7 +6,6 @@ only, as one line, with exit code 2: N copies of a usage message help nobody.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -16,9 +15,10 @@ from typing import Any, NoReturn
 import click
 
 from hvd_cpu import __version__
+from hvd_cpu.config.cli_options import train_options
 from hvd_cpu.config.files import config_option
-from hvd_cpu.config.options import CHOICES, LOSS_NAMES, SEED_MAX
-from hvd_cpu.data.formats import FORMATS, extensions_text
+from hvd_cpu.config.options import SEED_MAX
+from hvd_cpu.config.values import NAMES, SIZES
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.runtime.lifecycle import (
     exit_now,
@@ -65,292 +65,9 @@ def cli() -> None:
     """
 
 
-def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
-    """A comma-separated list of column names."""
-    return None if value is None else tuple(n.strip() for n in value.split(",") if n.strip())
-
-
-def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
-    """A comma-separated list of layer sizes."""
-    try:
-        return tuple(int(n) for n in value.split(",") if n.strip())
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
-
-
-def _json_object(
-    ctx: click.Context, param: click.Parameter, value: str | dict[str, Any] | None
-) -> dict[str, Any] | None:
-    """A JSON object (a table or mapping when it comes from a --config file)."""
-    if value is None or isinstance(value, dict):
-        return value
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise click.BadParameter(f"{value!r} is not JSON ({exc})") from None
-    if not isinstance(parsed, dict):
-        raise click.BadParameter(f"{value!r} is not a JSON object like '{{\"name\": 1}}'")
-    return parsed
-
-
-def _stacked(*decorators: Callable[[Callable[..., None]], Callable[..., None]]) -> Callable:
-    """One decorator applying several, so commands can share a group of options."""
-
-    def apply(command: Callable[..., None]) -> Callable[..., None]:
-        for decorator in reversed(decorators):
-            command = decorator(command)
-        return command
-
-    return apply
-
-
-# Options that more than one command takes, with one meaning.
-_format_option = click.option(
-    "--format",
-    type=click.Choice(FORMATS),
-    help="Read --data in this format whatever its extension.",
-)
-_lr_option = click.option(
-    "--lr",
-    type=click.FloatRange(min=0, min_open=True),
-    default=1e-3,
-    show_default=True,
-    help="Adam's learning rate before scaling.",
-)
-
-# What to train on and what to train: the same options for `train` and `bench`.
-_data_and_model_options = _stacked(
-    click.option(
-        "--data",
-        type=click.Path(path_type=Path),
-        help=f"DataFrame file ({extensions_text()}) or a folder of parquet files (Spark, Dask; "
-        "key=value folders become columns). Default: a generated demo frame.",
-    ),
-    _format_option,
-    click.option(
-        "--target",
-        "targets",
-        multiple=True,
-        default=("target",),
-        show_default=True,
-        help="Column to predict; repeat for several outputs (regression).",
-    ),
-    click.option(
-        "--features",
-        callback=_names,
-        metavar="COL,...",
-        help="Feature columns. Default: every column but the targets.",
-    ),
-    click.option(
-        "--drop",
-        callback=_names,
-        default="",
-        metavar="COL,...",
-        help="Columns to leave out (an id, a leak).",
-    ),
-    click.option(
-        "--task",
-        type=click.Choice(CHOICES["task"]),
-        default="regression",
-        show_default=True,
-        help="regression: MSE loss; classification: cross-entropy, accuracy reported.",
-    ),
-    click.option(
-        "--max-categories",
-        type=click.IntRange(min=1),
-        default=32,
-        show_default=True,
-        help="Most levels a text/category column may have (each becomes a 0/1 feature).",
-    ),
-    click.option(
-        "--standardize-target",
-        is_flag=True,
-        help="Regression: train on the target scaled to mean 0, std 1 (loss in those units).",
-    ),
-    click.option(
-        "--shard-read",
-        is_flag=True,
-        help="Parquet file or folder: each rank reads only its own row groups (about 1/N of "
-        "the memory); "
-        "rows are then shuffled within each rank's shard.",
-    ),
-    click.option(
-        "--model",
-        metavar="MODULE:NAME|FILE.py:NAME",
-        help="Your own torch.nn.Module class, or a function returning one; built with the "
-        "feature count for a parameter named like input_size (or its only one) and the output "
-        "count for one named like n_outputs.",
-    ),
-    click.option(
-        "--model-args",
-        callback=_json_object,
-        metavar="JSON",
-        help="More keyword arguments for --model, e.g. '{\"hidden\": 64}'.",
-    ),
-    click.option(
-        "--hidden",
-        callback=_sizes,
-        default="32",
-        show_default=True,
-        metavar="N,...",
-        help="Hidden layer sizes of the default MLP.",
-    ),
-    click.option(
-        "--activation",
-        type=click.Choice(CHOICES["activation"]),
-        default="none",
-        show_default=True,
-        help="Activation between the MLP's layers (the seed's has none).",
-    ),
-)
-
-
 @cli.command()
 @config_option
-@_data_and_model_options
-@click.option(
-    "--loss",
-    metavar=f"{'|'.join(LOSS_NAMES)}|MODULE:FN",
-    help="Regression loss (default mse; huber moves less for outliers), or your own "
-    "fn(output, target) returning the batch's mean. Classification: cross-entropy.",
-)
-@click.option("--epochs", type=click.IntRange(min=1), default=10, show_default=True)
-@click.option(
-    "--batch-size",
-    type=click.IntRange(min=1),
-    default=64,
-    show_default=True,
-    help="Rows per step on each rank; the global batch is this times the ranks.",
-)
-@_lr_option
-@click.option(
-    "--scale-lr/--no-scale-lr",
-    default=True,
-    show_default=True,
-    help="Multiply --lr by the number of ranks (Horovod's convention).",
-)
-@click.option(
-    "--shuffle/--no-shuffle",
-    default=True,
-    show_default=True,
-    help="Reshuffle the rows every epoch.",
-)
-@click.option("--seed", type=click.IntRange(0, SEED_MAX), default=0, show_default=True)
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Torch threads per rank. Default: usable cores / ranks on the host.",
-)
-@click.option(
-    "--sync-every",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="1: average gradients every step. K > 1: local SGD, each rank steps alone and the "
-    "parameters are averaged every K steps (and each epoch's end); the lr is not scaled.",
-)
-@click.option(
-    "--allreduce",
-    type=click.Choice(CHOICES["allreduce"]),
-    default="horovod",
-    show_default=True,
-    help="How gradients are averaged each step: horovod, hvd.DistributedOptimizer; direct, one "
-    "MPI allreduce of all gradients from the training loop (MPI controller only; far less "
-    "overhead per step).",
-)
-@click.option(
-    "--output",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=Path("runs/hvd-cpu"),
-    show_default=True,
-    help="Folder for metrics.jsonl, checkpoint.pt, model.pt, features.json and ranks.json.",
-)
-@click.option(
-    "--warmup-epochs",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Raise the lr from --lr to --lr x ranks over these epochs (Horovod's warm-up).",
-)
-@click.option(
-    "--plateau-patience",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Halve the lr after this many epochs without a better validation loss.",
-)
-@click.option(
-    "--val-fraction",
-    type=click.FloatRange(0, 1, max_open=True),
-    default=0.1,
-    show_default=True,
-    help="Rows held out (fixed by --seed) to validate on; 0: none.",
-)
-@click.option(
-    "--patience",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Stop after this many epochs without a better validation loss.",
-)
-@click.option(
-    "--checkpoint-every",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Epochs between checkpoints (OUTPUT/checkpoint.pt, written atomically).",
-)
-@click.option("--resume", is_flag=True, help="Continue from OUTPUT/checkpoint.pt up to --epochs.")
-@click.option("--overwrite", is_flag=True, help="Start again even if OUTPUT holds a checkpoint.")
-@click.option(
-    "--elastic",
-    is_flag=True,
-    help="Go on when ranks die or join (Horovod's elastic mode; start with launch/elastic.sh).",
-)
-@click.option(
-    "--commit-every",
-    type=click.IntRange(min=1),
-    default=100,
-    show_default=True,
-    help="--elastic: steps between commits of the state in memory; a lost rank costs the "
-    "steps since the last one.",
-)
-@click.option(
-    "--max-restarts",
-    type=click.IntRange(min=0),
-    default=3,
-    show_default=True,
-    help="--elastic: lost ranks to go on after; the next one ends the job.",
-)
-@click.option(
-    "--progress/--no-progress",
-    default=None,
-    help="A progress bar per epoch. Default: when stdout is a terminal.",
-)
-@click.option("--quiet", is_flag=True, help="No epoch lines, progress or summary.")
-@click.option(
-    "--tensorboard",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=None,
-    metavar="DIR",
-    help="Rank 0 writes the job's one TensorBoard event file here (needs hvd-cpu[tracking]).",
-)
-@click.option(
-    "--mlflow",
-    is_flag=True,
-    help="Rank 0 logs one MLflow run per job to MLFLOW_TRACKING_URI: the config, each "
-    "epoch's metrics, model.pt (needs hvd-cpu[tracking]).",
-)
-@click.option(
-    "--mlflow-experiment",
-    metavar="NAME",
-    help="--mlflow: the experiment, made if missing. Default: MLFLOW_EXPERIMENT_NAME, else "
-    "hvd-cpu.",
-)
-@click.option(
-    "--mlflow-run-name",
-    metavar="NAME",
-    help="--mlflow: the run's name. Default: one MLflow makes up.",
-)
+@train_options()
 def train(**options: object) -> None:
     """Train a model on a DataFrame: by default the seed's MLP (Linear(n,32) -> Linear(32,1),
     MSE, Adam) on every column but the target."""
@@ -375,7 +92,7 @@ def train(**options: object) -> None:
     help="The rows to predict, with the training's feature columns: a file or a folder of "
     "parquet files.",
 )
-@_format_option
+@train_options("format")
 @click.option(
     "--output",
     type=click.Path(path_type=Path, dir_okay=False),
@@ -404,7 +121,22 @@ def plot(output: Path) -> None:
 
 @cli.command()
 @config_option
-@_data_and_model_options
+# What to train on and what to train, as `train` takes them; then what to try.
+@train_options(
+    "data",
+    "format",
+    "targets",
+    "features",
+    "drop",
+    "task",
+    "max_categories",
+    "standardize_target",
+    "shard_read",
+    "model",
+    "model_args",
+    "hidden",
+    "activation",
+)
 @click.option(
     "--rows",
     type=click.IntRange(min=1),
@@ -415,7 +147,7 @@ def plot(output: Path) -> None:
 @click.option(
     "--processes",
     "-np",
-    callback=_sizes,
+    type=SIZES,
     default="",
     metavar="N,...",
     help="Process counts to try. Default: 1, 2 and one per core.",
@@ -423,7 +155,7 @@ def plot(output: Path) -> None:
 @click.option(
     "--batch-size",
     "batch_sizes",
-    callback=_sizes,
+    type=SIZES,
     default="64,1024",
     show_default=True,
     metavar="N,...",
@@ -432,7 +164,7 @@ def plot(output: Path) -> None:
 @click.option(
     "--sync-every",
     "sync_intervals",
-    callback=_sizes,
+    type=SIZES,
     default="1,8",
     show_default=True,
     metavar="K,...",
@@ -441,13 +173,13 @@ def plot(output: Path) -> None:
 @click.option(
     "--controller",
     "controllers",
-    callback=_names,
+    type=NAMES,
     default="mpi,gloo",
     show_default=True,
     metavar="NAME,...",
     help="Horovod controllers to try with several processes: mpi, gloo.",
 )
-@_lr_option
+@train_options("lr")
 @click.option(
     "--epochs",
     type=click.IntRange(min=2),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +13,6 @@ import pytest
 import torch
 
 from hvd_cpu.cli import bench, train
-from hvd_cpu.config.files import record
-from hvd_cpu.config.options import TrainConfig
 
 from .jobs import horovodrun, hvd_cpu, slow_except, weights
 
@@ -90,31 +87,6 @@ width = 3
     assert options["targets"] == ("y1", "y2")
     assert options["drop"] == ("id", "leak")
     assert options["model_args"] == {"width": 3}
-
-
-def test_the_record_reads_back_as_the_same_config(tmp_path: Path) -> None:
-    """Every option of the run survives config.toml, whatever its type; --resume and
-    --overwrite are left out, so the rerun starts afresh."""
-    config = TrainConfig(
-        data=Path("frame.parquet"),
-        targets=("y1", "y2"),
-        features=("a", "b"),
-        drop=("id",),
-        model="my_model.py:Model",
-        model_args={"width": 3, "scale": 0.5, "norm": None},
-        hidden=(64, 32),
-        lr=3e-4,
-        scale_lr=False,
-        threads=2,
-        output=Path("runs/x"),
-        overwrite=True,
-    )
-    record(config, tmp_path / "config.toml")
-    recorded = tomllib.loads((tmp_path / "config.toml").read_text())
-    assert "overwrite" not in recorded and "resume" not in recorded
-    assert recorded["output"] == "runs/x"
-    read = TrainConfig(**parsed(train, "--config", str(tmp_path / "config.toml")))
-    assert read == replace(config, overwrite=False)
 
 
 def test_bench_takes_a_file_too(tmp_path: Path) -> None:

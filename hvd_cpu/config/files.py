@@ -9,7 +9,6 @@ OUTPUT/config.toml, so `hvd-cpu train --config OUTPUT/config.toml` trains the sa
 from __future__ import annotations
 
 import difflib
-import json
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +17,7 @@ import click
 import tomli_w
 import yaml
 
+from hvd_cpu.config.values import spelled
 from hvd_cpu.output.atomic import atomic_write
 
 if TYPE_CHECKING:
@@ -77,11 +77,9 @@ def _read(path: Path) -> dict[Any, Any]:
 
 def _text(value: Any) -> str:
     """One value as it would be typed: a mapping as JSON (--model-args)."""
-    if isinstance(value, dict):
-        return json.dumps(value)
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+    if isinstance(value, bool) or not isinstance(value, (str, int, float, dict)):
         raise ValueError(f"{value!r} is not a value this option takes")
-    return str(value)
+    return spelled(value)
 
 
 def _as_typed(option: click.Option, value: Any) -> Any:
@@ -153,7 +151,7 @@ def record(config: TrainConfig, path: Path) -> None:
     given (relative to where the run started), mappings as the JSON the command line takes
     (which, unlike TOML, has null), and not --resume or --overwrite."""
     values = {
-        _key(name): json.dumps(value) if isinstance(value, dict) else value
+        _key(name): spelled(value) if isinstance(value, dict) else value
         for name, value in config.to_dict().items()
         if value is not None and name not in NOT_RECORDED
     }

@@ -1,12 +1,16 @@
-"""Training options, shared by the CLI and the Python API so both mean the same thing."""
+"""Training options, shared by the CLI and the Python API so both mean the same thing: each is
+a TrainConfig field that also declares its command-line option (cli_options.py makes them)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from hvd_cpu.data.formats import FORMATS
+import click
+
+from hvd_cpu.config.values import JSON_OBJECT, NAMES, SIZES
+from hvd_cpu.data.formats import FORMATS, extensions_text
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.user_code import is_spec
 
@@ -23,7 +27,7 @@ CONTROLLER_NAMES = {"mpi": "MPI", "gloo": "Gloo"}
 
 def steps_use_horovod(allreduce: str, sync_every: int) -> bool:
     """Whether training steps go through Horovod (its DistributedOptimizer); when none does,
-    Horovod's background thread can cycle slowly (dist.IDLE_CYCLE_MS)."""
+    Horovod's background thread can cycle slowly (runtime/horovod.py, IDLE_CYCLE_MS)."""
     return allreduce == "horovod" and sync_every == 1
 
 
@@ -40,63 +44,243 @@ CHOICES = {
 
 
 @dataclass(frozen=True)
+class Option:
+    """How the command line, and so a --config file, gives one TrainConfig field.
+
+    cli_options.py makes the click option from this and the field's default: a bool (a bool
+    default, or type click.BOOL) is a flag, --x, or --x/--no-x when its default is not False;
+    any other takes a value of `type` (text if None). The long option is --field-name unless
+    `flag` names another.
+    """
+
+    help: str | None
+    type: click.ParamType | None
+    metavar: str | None
+    flag: str | None
+    repeat: bool  # given once per value (--target a --target b), not as one list
+
+
+OPTION = "option"  # the key of a field's Option in its metadata
+
+
+def option(
+    default: Any,
+    *,
+    help: str | None = None,
+    type: click.ParamType | None = None,
+    metavar: str | None = None,
+    flag: str | None = None,
+    repeat: bool = False,
+) -> Any:
+    """A TrainConfig field and its `hvd-cpu train` option, declared together: the one place a
+    training option is written (its click option, bench's spelling of it and its --config key
+    follow from this)."""
+    return field(default=default, metadata={OPTION: Option(help, type, metavar, flag, repeat)})
+
+
+@dataclass(frozen=True)
 class TrainConfig:
-    """Everything one training job needs; each rank builds the same one from the same options."""
+    """Everything one training job needs; each rank builds the same one from the same options.
+
+    Each field is an option of `hvd-cpu train`, in this order in its --help.
+    """
 
     # the data
-    data: Path | None = None  # None: the generated demo frame
-    format: str | None = None  # None: from the file's extension
-    targets: tuple[str, ...] = ("target",)
-    features: tuple[str, ...] | None = None  # None: every column but the targets and --drop
-    drop: tuple[str, ...] = ()
-    task: Literal["regression", "classification"] = "regression"
-    max_categories: int = 32
-    standardize_target: bool = False
-    shard_read: bool = False  # each rank reads only its row groups of a parquet file
+    data: Path | None = option(
+        None,  # the generated demo frame
+        help=f"DataFrame file ({extensions_text()}) or a folder of parquet files (Spark, Dask; "
+        "key=value folders become columns). Default: a generated demo frame.",
+        type=click.Path(path_type=Path),
+    )
+    format: str | None = option(
+        None,  # from the file's extension
+        help="Read --data in this format whatever its extension.",
+        type=click.Choice(FORMATS),
+    )
+    targets: tuple[str, ...] = option(
+        ("target",),
+        help="Column to predict; repeat for several outputs (regression).",
+        flag="--target",
+        repeat=True,
+    )
+    features: tuple[str, ...] | None = option(
+        None,  # every column but the targets and --drop
+        help="Feature columns. Default: every column but the targets.",
+        type=NAMES,
+        metavar="COL,...",
+    )
+    drop: tuple[str, ...] = option(
+        (), help="Columns to leave out (an id, a leak).", type=NAMES, metavar="COL,..."
+    )
+    task: Literal["regression", "classification"] = option(
+        "regression",
+        help="regression: MSE loss; classification: cross-entropy, accuracy reported.",
+        type=click.Choice(CHOICES["task"]),
+    )
+    max_categories: int = option(
+        32,
+        help="Most levels a text/category column may have (each becomes a 0/1 feature).",
+        type=click.IntRange(min=1),
+    )
+    standardize_target: bool = option(
+        False,
+        help="Regression: train on the target scaled to mean 0, std 1 (loss in those units).",
+    )
+    shard_read: bool = option(
+        False,
+        help="Parquet file or folder: each rank reads only its own row groups (about 1/N of "
+        "the memory); rows are then shuffled within each rank's shard.",
+    )
     # the model
-    model: str | None = None  # "package.module:Class" or "file.py:Class"; None: the MLP below
-    model_args: dict[str, Any] | None = None  # more keyword arguments for --model
-    hidden: tuple[int, ...] = (32,)
-    activation: Literal["none", "relu", "gelu"] = "none"
+    model: str | None = option(
+        None,  # the MLP below
+        help="Your own torch.nn.Module class, or a function returning one; built with the "
+        "feature count for a parameter named like input_size (or its only one) and the output "
+        "count for one named like n_outputs.",
+        metavar="MODULE:NAME|FILE.py:NAME",
+    )
+    model_args: dict[str, Any] | None = option(
+        None,
+        help="More keyword arguments for --model, e.g. '{\"hidden\": 64}'.",
+        type=JSON_OBJECT,
+        metavar="JSON",
+    )
+    hidden: tuple[int, ...] = option(
+        (32,), help="Hidden layer sizes of the default MLP.", type=SIZES, metavar="N,..."
+    )
+    activation: Literal["none", "relu", "gelu"] = option(
+        "none",
+        help="Activation between the MLP's layers (the seed's has none).",
+        type=click.Choice(CHOICES["activation"]),
+    )
     # the optimisation
-    loss: str | None = None  # a LOSS_NAMES or "module:fn"; None: MSE, or cross-entropy
-    epochs: int = 10
-    batch_size: int = 64  # per rank; the global batch is batch_size x world size
-    lr: float = 1e-3  # Adam's default, before scaling by the world size
-    scale_lr: bool = True  # Horovod's convention: lr x size, since the global batch grows
-    shuffle: bool = True
-    warmup_epochs: int = 0  # lr rises from lr to lr x size over these epochs
-    plateau_patience: int | None = None  # halve the lr after this many epochs without progress
-    seed: int = 0
-    threads: int | None = None  # per rank; None: usable cores / ranks on this host
+    loss: str | None = option(
+        None,  # MSE, or cross-entropy for classes
+        help="Regression loss (default mse; huber moves less for outliers), or your own "
+        "fn(output, target) returning the batch's mean. Classification: cross-entropy.",
+        metavar=f"{'|'.join(LOSS_NAMES)}|MODULE:FN",
+    )
+    epochs: int = option(10, type=click.IntRange(min=1))
+    batch_size: int = option(
+        64,
+        help="Rows per step on each rank; the global batch is this times the ranks.",
+        type=click.IntRange(min=1),
+    )
+    lr: float = option(
+        1e-3,  # Adam's default
+        help="Adam's learning rate before scaling.",
+        type=click.FloatRange(min=0, min_open=True),
+    )
+    scale_lr: bool = option(
+        True,  # since the global batch grows with the ranks
+        help="Multiply --lr by the number of ranks (Horovod's convention).",
+    )
+    shuffle: bool = option(True, help="Reshuffle the rows every epoch.")
+    seed: int = option(0, type=click.IntRange(0, SEED_MAX))
+    threads: int | None = option(
+        None,
+        help="Torch threads per rank. Default: usable cores / ranks on the host.",
+        type=click.IntRange(min=1),
+    )
     # 1: average gradients every step (synchronous, as one process with the global batch).
     # K > 1: local SGD, each rank steps on its own and parameters are averaged every K steps
     # and at the end of each epoch: K times fewer waits for the other ranks.
-    sync_every: int = 1
+    sync_every: int = option(
+        1,
+        help="1: average gradients every step. K > 1: local SGD, each rank steps alone and the "
+        "parameters are averaged every K steps (and each epoch's end); the lr is not scaled.",
+        type=click.IntRange(min=1),
+    )
     # How gradients are averaged every step: "horovod", hvd.DistributedOptimizer (Horovod's
     # background thread, either controller); "direct", one MPI_Allreduce of all gradients in
     # the training thread (MPI controller only: much less per-step overhead, see README).
-    allreduce: Literal["horovod", "direct"] = "horovod"
-    # Horovod's elastic mode: ranks may die or join, training goes on (launch/elastic.sh).
-    elastic: bool = False
-    commit_every: int = 100  # --elastic: steps between in-memory commits (what a failure loses)
-    max_restarts: int = 3  # --elastic: lost ranks to go on after; one more ends the job
-    # validation and stopping
-    val_fraction: float = 0.1  # held out (by seed) and sharded across ranks; 0: none
-    patience: int | None = None  # stop after this many epochs without a better validation loss
+    allreduce: Literal["horovod", "direct"] = option(
+        "horovod",
+        help="How gradients are averaged each step: horovod, hvd.DistributedOptimizer; direct, "
+        "one MPI allreduce of all gradients from the training loop (MPI controller only; far "
+        "less overhead per step).",
+        type=click.Choice(CHOICES["allreduce"]),
+    )
     # output
-    output: Path = Path("runs/hvd-cpu")
-    checkpoint_every: int = 1  # epochs between checkpoints
-    resume: bool = False
-    overwrite: bool = False
-    progress: bool | None = None  # None: a progress bar when stdout is a terminal
-    quiet: bool = False
+    output: Path = option(
+        Path("runs/hvd-cpu"),
+        help="Folder for metrics.jsonl, checkpoint.pt, model.pt, features.json and ranks.json.",
+        type=click.Path(path_type=Path, file_okay=False),
+    )
+    # the learning rate's schedule
+    warmup_epochs: int = option(
+        0,
+        help="Raise the lr from --lr to --lr x ranks over these epochs (Horovod's warm-up).",
+        type=click.IntRange(min=0),
+    )
+    plateau_patience: int | None = option(
+        None,
+        help="Halve the lr after this many epochs without a better validation loss.",
+        type=click.IntRange(min=1),
+    )
+    # validation and stopping
+    val_fraction: float = option(
+        0.1,  # held out (by seed) and sharded across ranks
+        help="Rows held out (fixed by --seed) to validate on; 0: none.",
+        type=click.FloatRange(0, 1, max_open=True),
+    )
+    patience: int | None = option(
+        None,
+        help="Stop after this many epochs without a better validation loss.",
+        type=click.IntRange(min=1),
+    )
+    # checkpoints
+    checkpoint_every: int = option(
+        1,
+        help="Epochs between checkpoints (OUTPUT/checkpoint.pt, written atomically).",
+        type=click.IntRange(min=1),
+    )
+    resume: bool = option(False, help="Continue from OUTPUT/checkpoint.pt up to --epochs.")
+    overwrite: bool = option(False, help="Start again even if OUTPUT holds a checkpoint.")
+    # Horovod's elastic mode: ranks may die or join, training goes on (launch/elastic.sh).
+    elastic: bool = option(
+        False,
+        help="Go on when ranks die or join (Horovod's elastic mode; start with launch/elastic.sh).",
+    )
+    commit_every: int = option(
+        100,
+        help="--elastic: steps between commits of the state in memory; a lost rank costs the "
+        "steps since the last one.",
+        type=click.IntRange(min=1),
+    )
+    max_restarts: int = option(
+        3,
+        help="--elastic: lost ranks to go on after; the next one ends the job.",
+        type=click.IntRange(min=0),
+    )
+    # what is shown
+    progress: bool | None = option(
+        None,
+        help="A progress bar per epoch. Default: when stdout is a terminal.",
+        type=click.BOOL,
+    )
+    quiet: bool = option(False, help="No epoch lines, progress or summary.")
     # experiment tracking, by rank 0 only (tracking.py; the tracking extra)
-    tensorboard: Path | None = None  # a folder for the job's one TensorBoard event file
-    mlflow: bool = False  # one MLflow run per job, on the server of MLFLOW_TRACKING_URI
-    # None: MLFLOW_EXPERIMENT_NAME if set, else "hvd-cpu" (made if missing)
-    mlflow_experiment: str | None = None
-    mlflow_run_name: str | None = None  # None: a name MLflow makes up
+    tensorboard: Path | None = option(
+        None,
+        help="Rank 0 writes the job's one TensorBoard event file here (needs hvd-cpu[tracking]).",
+        type=click.Path(path_type=Path, file_okay=False),
+        metavar="DIR",
+    )
+    mlflow: bool = option(
+        False,
+        help="Rank 0 logs one MLflow run per job to MLFLOW_TRACKING_URI: the config, each "
+        "epoch's metrics, model.pt (needs hvd-cpu[tracking]).",
+    )
+    mlflow_experiment: str | None = option(
+        None,
+        help="--mlflow: the experiment, made if missing. Default: MLFLOW_EXPERIMENT_NAME, else "
+        "hvd-cpu.",
+        metavar="NAME",
+    )
+    mlflow_run_name: str | None = option(
+        None, help="--mlflow: the run's name. Default: one MLflow makes up.", metavar="NAME"
+    )
 
     # Options that change what the model is: a checkpoint only resumes with the same ones.
     ARCHITECTURE: ClassVar[tuple[str, ...]] = (

@@ -13,13 +13,11 @@ from hvd_cpu.model.user_code import import_object, is_spec
 
 # Regression losses by name. Huber is squared near zero and linear past delta 1 (in the
 # target's units, or in standard deviations with --standardize-target): tabular targets with
-# outliers (a delay in minutes) move the model less than under MSE.
-REGRESSION_LOSSES: dict[str, Callable[[], nn.Module]] = {
-    "mse": nn.MSELoss,
-    "l1": nn.L1Loss,
-    "huber": nn.HuberLoss,
-}
-assert tuple(REGRESSION_LOSSES) == LOSS_NAMES  # config checks the names without torch
+# outliers (a delay in minutes) move the model less than under MSE. The names are config's
+# (it checks them without importing torch); strict: a name without a loss fails here.
+REGRESSION_LOSSES: dict[str, Callable[[], nn.Module]] = dict(
+    zip(LOSS_NAMES, (nn.MSELoss, nn.L1Loss, nn.HuberLoss), strict=True)
+)
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

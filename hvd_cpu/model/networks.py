@@ -11,10 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from hvd_cpu.config.options import CHOICES
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.user_code import import_object
 
-ACTIVATIONS = {"none": None, "relu": nn.ReLU, "gelu": nn.GELU}
+# The names --activation takes, each with its layer (strict: a name without one fails here).
+ACTIVATIONS = dict(zip(CHOICES["activation"], (None, nn.ReLU, nn.GELU), strict=True))
 # Rows per forward pass when evaluating or predicting: no gradients, so bigger is cheaper.
 EVAL_ROWS = 8192
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from hvd_cpu.config.cli_options import command_words
 from hvd_cpu.config.options import CONTROLLER_NAMES, TrainConfig, steps_use_horovod
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.runtime import horovod as dist
@@ -319,17 +320,7 @@ def command_line(setting: Setting, train_config: TrainConfig, cores: int) -> str
             continue
         if field.name == "threads" and value == train_default:
             continue
-        flag = "--target" if field.name == "targets" else "--" + field.name.replace("_", "-")
-        if field.name == "targets":
-            words += [w for target in value for w in (flag, target)]
-        elif isinstance(value, bool):
-            words.append(flag if value else f"--no-{flag[2:]}")
-        elif isinstance(value, tuple):
-            words += [flag, ",".join(map(str, value))]
-        elif isinstance(value, dict):
-            words += [flag, json.dumps(value)]
-        else:
-            words += [flag, str(value)]
+        words += command_words(field.name, value)
     return shlex.join(words)
 
 
