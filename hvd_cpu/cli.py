@@ -42,9 +42,9 @@ def _fail(show: Callable[[], None], code: int, together: bool = False) -> NoRetu
         show()
     if together:
         # Imported lazily: `hvd-cpu --help` and make-demo-data should not pay for Horovod.
-        from hvd_cpu.runtime import horovod as dist
+        from hvd_cpu.runtime import horovod
 
-        dist.leave_together()
+        horovod.leave_together()
     if not launch_rank_known():
         sys.exit(code)
     if launch_rank() == 0 and not together:
@@ -303,9 +303,9 @@ def main() -> None:
         message = f"hvd-cpu: error: {' '.join(str(exc).split())}"
         _fail(lambda: click.echo(message, err=True), exc.exit_code, together=True)
     except Exception as exc:
-        from hvd_cpu.runtime import horovod as dist
+        from hvd_cpu.runtime import horovod
 
-        if not isinstance(exc, dist.PeerLost):
+        if not isinstance(exc, horovod.PeerLost):
             raise
         # Every surviving rank sees this, so each says it once, in one line, with its rank.
         reason = " ".join(str(exc).split())

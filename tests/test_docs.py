@@ -681,6 +681,23 @@ def test_layout_names_the_files_there_are() -> None:
     assert not unnamed, f"docs/design.md's layout does not name: {unnamed}"
 
 
+@pytest.mark.parametrize(
+    "room", sorted(p.parent.name for p in (REPO / "hvd_cpu").glob("*/__init__.py")), ids=str
+)
+def test_each_room_says_what_is_in_it(room: str) -> None:
+    """The tree is the map: each folder of hvd_cpu/ says in its __init__ docstring what every
+    module there is for, and every module says why it exists."""
+    folder = REPO / "hvd_cpu" / room
+    said = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    modules = sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py")
+    unnamed = [name for name in modules if name not in said]
+    assert not unnamed, f"hvd_cpu/{room}/__init__.py does not say what {unnamed} are for"
+    undocumented = [
+        name for name in modules if not ast.get_docstring(ast.parse((folder / name).read_text()))
+    ]
+    assert not undocumented, f"modules in hvd_cpu/{room} without a docstring: {undocumented}"
+
+
 def test_options_table_is_train_s_options() -> None:
     """The README's options table lists every option of `hvd-cpu train`, and no other."""
     from hvd_cpu.cli import cli

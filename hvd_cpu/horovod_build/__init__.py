@@ -3,6 +3,10 @@
 launch/install.sh (a fresh .venv), the Dockerfile and `hvd-cpu install-horovod` (an
 environment of the user's own) all go through `install`; `hvd-cpu doctor` reads
 `installed_record` to say whether the Horovod there is this build, for this torch.
+
+build.py plans, builds, caches and installs the wheel; toolchain.py finds Python, torch, the
+compiler, cmake and MPI (or names the fix in one line); patching.py applies patches/ (one
+patch per reason: a new patch is one file there, which the build picks up).
 """
 
 from hvd_cpu.horovod_build.build import (

@@ -210,7 +210,12 @@ class HorovodCollectives(Collectives):
         return hvd.allreduce_(tensor, op=hvd.Average, name=name)
 
     def broadcast_(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        hvd.broadcast_parameters(tensors, root_rank=0)
+        # Horovod refuses a strided tensor (a user's transposed parameter): it goes as a
+        # contiguous copy, written back.
+        strided = {name: t.contiguous() for name, t in tensors.items() if not t.is_contiguous()}
+        hvd.broadcast_parameters({**tensors, **strided}, root_rank=0)
+        for name, copy in strided.items():
+            tensors[name].copy_(copy)
 
     def broadcast_object(self, obj: Any, name: str) -> Any:
         return hvd.broadcast_object(obj, root_rank=0, name=name)

@@ -27,7 +27,7 @@ import torch
 from hvd_cpu.config.cli_options import command_words
 from hvd_cpu.config.options import CONTROLLER_NAMES, TrainConfig, steps_use_horovod
 from hvd_cpu.errors import InputError, RunFailed
-from hvd_cpu.runtime import horovod as dist
+from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.cores import default_threads
 from hvd_cpu.training.prepare import prepare
 from hvd_cpu.training.trainer import build_trainer
@@ -140,7 +140,7 @@ def _measure_on_rank(
 ) -> tuple[list[Measurement], float] | None:
     """Run on every rank: train each setting (all with the same threads) from the same start.
     Rank 0 returns the measurements and the time of the first step (to measure the launch)."""
-    world = dist.init(settings[0].threads, horovod_steps=settings[0].horovod_steps)
+    world = horovod.init(settings[0].threads, horovod_steps=settings[0].horovod_steps)
     prepared = prepare(train_config, world)
     first_step = time.time()
     measurements = []
@@ -171,7 +171,7 @@ def run(config: BenchConfig, epochs: int) -> dict[str, Any]:
     for settings in jobs(config):
         first = settings[0]
         launched = time.time()
-        found, first_step = dist.launch(
+        found, first_step = horovod.launch(
             _measure_on_rank,
             (config.train, settings, epochs),
             np=first.processes,

@@ -1,0 +1,9 @@
+"""What every rank runs, in the order the data flows: train.py (the entry) -> prepare.py (read,
+fit, encode, split, build, each step agreed by all ranks) -> trainer.py (one rank's model,
+optimizer and epoch) -> job.py (the epochs and rank 0's writing) -> elastic.py (the same job
+inside Horovod's elastic loop).
+
+How the ranks stay in step is sync.py: one GradientSync subclass per strategy (a new strategy
+is one new subclass there, chosen in sync.choose). state.py holds the loop's state and epoch
+metrics (a leaf, read by the output room), schedule.py the lr, validation.py the held-out rows.
+"""

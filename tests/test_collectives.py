@@ -1,0 +1,45 @@
+"""The collectives backends, each in a real two-rank job: Horovod's (horovodrun --gloo) and
+our mpi4py communicator's (horovodrun --mpi); both must give the same answers to the same
+calls, as the training code relies on whichever the launcher picked. The job of one (`Alone`)
+is checked here in-process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_cpu.errors import InputError
+from hvd_cpu.runtime.collectives import Alone
+
+from .jobs import BIN, REPO, run, skip_without_mpi
+
+
+@pytest.mark.parametrize(
+    ("controller", "backend"), [("gloo", "HorovodCollectives"), ("mpi", "MpiCollectives")]
+)
+def test_each_backend_gives_the_same_answers_on_two_ranks(controller: str, backend: str) -> None:
+    if controller == "mpi":
+        skip_without_mpi()
+    script = REPO / "tests" / "collectives_check.py"
+    command = [str(BIN / "horovodrun"), f"--{controller}", "-np", "2", "--disable-cache"]
+    job = run([*command, str(BIN / "python"), str(script)], timeout=120)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    said = sorted(text for _, text in job.rank_lines() if text.startswith("collectives ok"))
+    assert said == [f"collectives ok 0 {backend}", f"collectives ok 1 {backend}"]
+
+
+def test_a_job_of_one_gives_back_its_own_values_and_its_own_errors() -> None:
+    alone = Alone()
+    values = torch.tensor([1.0, 2.0])
+    total = alone.sum(values, "sum")
+    total.add_(1)
+    assert values.tolist() == [1.0, 2.0]  # a new tensor, as on every backend
+    assert alone.gather("x", "gather") == ["x"]
+    assert alone.sum_numbers(np.array([1, 2])).tolist() == [1.0, 2.0]
+
+    def bad() -> None:
+        raise InputError("bad input")
+
+    with pytest.raises(InputError, match=r"^bad input$"):
+        alone.agreed(bad)
