@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
 from hvd_cpu.data.features import Arrays
-from hvd_cpu.data.loader import (
-    LocalShardSampler,
-    ResumableSampler,
-    ShardedBatches,
-    global_sampler,
-)
+from hvd_cpu.data.loader import ShardedBatches, ShardSampler, rank_block
 
 
 def make_arrays(rows: int, features: int = 3) -> Arrays:
@@ -25,7 +23,7 @@ def shards(rows: int, size: int, shuffle: bool, epoch: int, batch_size: int = 7)
     arrays = make_arrays(rows)
     loaders = [
         ShardedBatches(
-            arrays, torch.arange(rows), batch_size, global_sampler(rows, r, size, shuffle, seed=3)
+            arrays, torch.arange(rows), batch_size, ShardSampler(rows, r, size, shuffle, seed=3)
         )
         for r in range(size)
     ]
@@ -65,9 +63,11 @@ def test_epochs_reshuffle_the_same_way_on_every_rank() -> None:
 def test_batches_hold_exactly_the_sampled_rows_in_order(rank: int) -> None:
     arrays = make_arrays(55)
     rows = torch.arange(5, 55)  # rows 0-4 held out
-    loader = ShardedBatches(arrays, rows, 4, global_sampler(50, rank, 3, shuffle=True, seed=1))
+    loader = ShardedBatches(arrays, rows, 4, ShardSampler(50, rank, 3, shuffle=True, seed=1))
     loader.set_epoch(5)
-    wanted = rows[list(loader.sampler)].tolist()
+    torch_shard = DistributedSampler(range(50), num_replicas=3, rank=rank, shuffle=True, seed=1)
+    torch_shard.set_epoch(5)
+    wanted = rows[list(torch_shard)].tolist()
     batches = list(loader)
     assert [len(x) for x, _ in batches] == [4, 4, 4, 4, 1]
     got_x = torch.cat([x for x, _ in batches])
@@ -77,56 +77,78 @@ def test_batches_hold_exactly_the_sampled_rows_in_order(rank: int) -> None:
     assert len(loader) == len(batches)
 
 
+@pytest.mark.parametrize("epoch", [0, 1, 3])
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_a_local_shard_is_shuffled_within_and_padded_to_the_longest(shuffle: bool) -> None:
-    sampler = LocalShardSampler(rows=10, length=13, rank=1, shuffle=shuffle, seed=0)
-    sampler.set_epoch(1)
-    first = list(sampler)
-    assert len(first) == len(sampler) == 13
-    assert sorted(set(first)) == list(range(10))  # every row, three of them twice
-    assert (first[:10] == list(range(10))) != shuffle
-    sampler.set_epoch(2)
-    assert (list(sampler) != first) == shuffle
-
-
-@pytest.mark.parametrize("size", [1, 2, 3, 4])
-def test_a_resumable_sampler_from_the_start_is_a_distributed_sampler(size: int) -> None:
+@pytest.mark.parametrize(("rows", "size"), [(96, 4), (50, 3), (7, 1), (10, 4), (3, 4), (1, 3)])
+def test_the_shards_are_torch_distributed_samplers(rows, size, shuffle, epoch) -> None:
+    """What the product promises: each rank reads the shard torch's DistributedSampler gives
+    it, as a tensor (`order`, int32) and iterated, padded alike."""
     for rank in range(size):
-        resumable = ResumableSampler(50, rank, size, shuffle=True, seed=4)
-        distributed = global_sampler(50, rank, size, shuffle=True, seed=4)
-        resumable.set_epoch(3)
-        distributed.set_epoch(3)
-        assert list(resumable) == list(distributed)
-        assert len(resumable) == len(distributed)
+        ours = ShardSampler(rows, rank, size, shuffle, seed=5)
+        torch_shard = DistributedSampler(
+            range(rows), num_replicas=size, rank=rank, shuffle=shuffle, seed=5
+        )
+        ours.set_epoch(epoch)
+        torch_shard.set_epoch(epoch)
+        expected = list(torch_shard)
+        assert ours.order().tolist() == list(ours) == expected
+        assert ours.order().dtype == torch.int32
+        assert len(ours) == len(torch_shard) == len(expected)
 
 
-@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 3), (3, 1)])
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 3), (3, 1), (2, 7)])
 def test_ranks_that_change_mid_epoch_neither_drop_nor_repeat_rows(before: int, after: int):
-    rows, batch, steps = 120, 5, 4  # 4 steps at `before` ranks, then the rest at `after`
-    samplers = [ResumableSampler(rows, r, before, shuffle=True, seed=1) for r in range(before)]
+    """After k steps of b rows at `before` ranks, the shards at `after` ranks hold each of the
+    epoch's remaining rows once, and only the padding (the first of them) again."""
+    rows, batch, steps = 122, 5, 4  # 4 steps at `before` ranks, then the rest at `after`
+    full = ShardSampler(rows, 0, 1, shuffle=True, seed=1)  # one rank: the epoch's whole order
+    full.set_epoch(2)
+    samplers = [ShardSampler(rows, r, before, shuffle=True, seed=1) for r in range(before)]
+    for sampler in samplers:
+        sampler.set_epoch(2)
     done = [i for s in samplers for i in list(s)[: steps * batch]]
     skip = steps * batch * before
+    assert sorted(done) == sorted(list(full)[:skip])
+    remaining = list(full)[skip:]
     rest = []
     for rank in range(after):
         sampler = samplers[0]
         sampler.reshard(rank, after)
         sampler.skip = skip
+        assert len(sampler) == -(-len(remaining) // after)  # equal shards, as before
         rest += list(sampler)
-    assert len(rest) == -(-(rows - skip) // after) * after  # padded to equal shards, as before
+    padding = len(rest) - len(remaining)
+    assert 0 <= padding < after
+    assert Counter(rest) == Counter(remaining + remaining[:padding])
     assert not set(done) & set(rest)
-    assert sorted(set(done) | set(rest)) == list(range(rows))
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
-@pytest.mark.parametrize(("rows", "size"), [(50, 3), (96, 4), (7, 1)])
-def test_every_sampler_orders_as_a_tensor_what_it_iterates(rows, size, shuffle) -> None:
-    for rank in range(size):
-        samplers = [
-            global_sampler(rows, rank, size, shuffle, seed=5),
-            ResumableSampler(rows, rank, size, shuffle, seed=5),
-            LocalShardSampler(rows - rank, rows, rank, shuffle, seed=5),
-        ]
-        for sampler in samplers:
-            for epoch in (0, 3):
-                sampler.set_epoch(epoch)
-                assert sampler.order().tolist() == list(sampler)
+def test_a_local_shard_is_shuffled_within_and_padded_to_the_longest(shuffle: bool) -> None:
+    sampler = ShardSampler(rows=10, rank=1, size=2, shuffle=shuffle, seed=0, length=13)
+    sampler.set_epoch(1)
+    first = list(sampler)
+    assert len(first) == len(sampler) == 13
+    assert sorted(set(first)) == list(range(10))  # every row, three of them twice
+    assert first[10:] == first[:3]  # padded from the start of its own order
+    assert (first[:10] == list(range(10))) != shuffle
+    sampler.set_epoch(2)
+    assert (list(sampler) != first) == shuffle
+
+
+def test_a_local_shard_keeps_its_seed_formula() -> None:
+    """--shard-read's order, fixed: torch.randperm(6) seeded with seed + 1_000_003 x epoch +
+    rank (4 + 2_000_006 + rank here), then its first two again to reach the longest shard."""
+    orders = []
+    for rank in (0, 1):
+        sampler = ShardSampler(rows=6, rank=rank, size=2, shuffle=True, seed=4, length=8)
+        sampler.set_epoch(2)
+        orders.append(sampler.order().tolist())
+    assert orders == [[3, 5, 4, 0, 1, 2, 3, 5], [1, 3, 0, 5, 4, 2, 1, 3]]
+
+
+@pytest.mark.parametrize(("count", "size"), [(10, 3), (3, 4), (100, 1), (7, 7)])
+def test_rank_blocks_are_contiguous_disjoint_and_cover_every_row(count: int, size: int) -> None:
+    blocks = [rank_block(count, rank, size) for rank in range(size)]
+    assert [row for start, stop in blocks for row in range(start, stop)] == list(range(count))
+    assert max(b - a for a, b in blocks) - min(b - a for a, b in blocks) <= 1

@@ -53,12 +53,15 @@ def test_classification_gives_the_labels_and_their_probabilities(tmp_path: Path)
     new = features(1)
     result = predicted(model, new, tmp_path)
 
-    classes = load_model(model)[1].classes
+    network, transform = load_model(model)
+    classes = transform.classes
     assert sorted(classes) == ["high", "low", "mid"]
     assert list(result.columns) == ["prediction", *(f"probability_{c}" for c in classes)]
+    # Column i is the probability of class i: the network's output i on the stored features.
+    with torch.no_grad():
+        raw = network(torch.from_numpy(transform.features(new)))
     probabilities = result.iloc[:, 1:].to_numpy()
-    assert ((probabilities >= 0) & (probabilities <= 1)).all()
-    np.testing.assert_allclose(probabilities.sum(axis=1), 1, atol=1e-6)
+    np.testing.assert_allclose(probabilities, torch.softmax(raw, dim=1).numpy(), rtol=1e-5)
     assert list(result["prediction"]) == [classes[i] for i in probabilities.argmax(axis=1)]
     score = new["x0"] + new["x1"]
     truth = np.where(score > 0.7, "high", np.where(score < -0.7, "low", "mid"))

@@ -125,10 +125,12 @@ def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
     assert settings == expected
     for m in report["measurements"]:
         assert m["samples_per_s"] > 0
-        assert m["compute_ms"] > 0 and m["wait_ms"] >= 0
+        assert m["compute_ms"] > 0
         assert abs(m["compute_ms"] + m["wait_ms"] - m["step_ms"]) < 1e-6
         if m["setting"]["processes"] == 1:
             assert m["wait_ms"] < m["compute_ms"], "one process has nobody to wait for"
+        else:
+            assert m["wait_ms"] > 0, "ranks that synchronise spend time doing it"
     fastest = max(report["measurements"], key=lambda m: m["samples_per_s"])
     asked = [
         m for m in report["measurements"]

@@ -13,20 +13,19 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import pandas as pd
 from pandas.api import types
 
+from hvd_cpu.data.columns import check_unique_columns, row_batches
 from hvd_cpu.errors import InputError
 from hvd_cpu.runtime.collectives import Collectives
 
 Task = Literal["regression", "classification"]
 Kind = Literal["numeric", "bool", "datetime", "timedelta", "category", "empty"]
 MISSING_LEVEL = "<missing>"
-BATCH = 65_536  # rows encoded (and decoded from parquet) at a time
 DATETIME_PARTS = ("year", "month", "day", "day_of_week", "hour")
 NUMBERS = ("integer", "floating", "mixed-integer-float", "decimal", "empty")
 # What a classification target may hold: values that name a class and survive features.json.
@@ -338,38 +337,6 @@ def _fit_inputs(
         c.name: int(n) for c, n in zip(inputs, missing, strict=True) if n and c.name in used
     }
     return tuple(inputs), tuple(outputs)
-
-
-def check_unique_columns(names: list[str]) -> None:
-    """Refuse a frame with two columns of one name: which of them a step takes would depend on
-    how it looks the name up."""
-    duplicates = sorted(n for n, count in Counter(names).items() if count > 1)
-    if duplicates:
-        raise InputError(
-            f"duplicate column names in the data: {', '.join(duplicates)}; rename them so each "
-            "column has its own name"
-        )
-
-
-def row_batches(frame: pd.DataFrame) -> Iterator[pd.DataFrame]:
-    """`frame` BATCH rows at a time, as views."""
-    for start in range(0, len(frame), BATCH):
-        yield frame.iloc[start : start + BATCH]
-
-
-def text_column_names(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
-    """Column names as the command line and features.json name them: text. Numbers (a frame
-    built from a matrix) become their text, so `--target 7` names column 7; a MultiIndex has no
-    one name to give, so flattening it is the user's choice."""
-    if isinstance(frame.columns, pd.MultiIndex):
-        raise InputError(
-            f"{path} has MultiIndex columns (e.g. {frame.columns[0]!r}); flatten them to text "
-            "names (frame.columns = ['_'.join(map(str, c)) for c in frame.columns]) and save it "
-            "again"
-        )
-    if not all(isinstance(name, str) for name in frame.columns):
-        frame.columns = [str(name) for name in frame.columns]
-    return frame
 
 
 def _select(frame: pd.DataFrame, selection: Selection) -> list[str]:

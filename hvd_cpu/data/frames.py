@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from hvd_cpu.data.features import check_unique_columns, row_batches, text_column_names
+from hvd_cpu.data.columns import check_unique_columns, row_batches, text_column_names
 from hvd_cpu.data.formats import EXTENSIONS
 from hvd_cpu.data.parquet import Pieces
 from hvd_cpu.errors import InputError, RunFailed
@@ -154,21 +154,28 @@ def open_rows(path: Path, fmt: str | None = None) -> Pieces | InMemory:
     return InMemory(read_frame(path, fmt))
 
 
-def check_writable(path: Path) -> None:
-    """Before the work, not after it: that `path` can be written, folders made as needed.
-    Folders made only to test this go again, so a run that stops leaves none behind."""
-    made = [folder for folder in path.parents if not folder.exists()]
-    probe = path.parent / f".{path.name}.hvd-cpu-write-test"
+def probe_folder(folder: Path, name: str = ".hvd-cpu-write-test") -> None:
+    """Before the work, not after it: that a file `name` can be made in `folder`, folders made
+    as needed (raises the OSError). Folders made only to test this go again: the run makes them
+    when it has something to write, so one that stops on bad input leaves none behind."""
+    made = [parent for parent in (folder, *folder.parents) if not parent.exists()]
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / name
         probe.touch()
         probe.unlink()
+    finally:
+        for parent in made:  # the deepest first
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+
+
+def check_writable(path: Path) -> None:
+    """That the file `path` can be written (probe_folder on its folder), or why not."""
+    try:
+        probe_folder(path.parent, f".{path.name}.hvd-cpu-write-test")
     except OSError as exc:
         raise _write_failure(path, exc) from exc
-    finally:
-        for folder in made:  # the deepest first
-            with contextlib.suppress(OSError):
-                folder.rmdir()
 
 
 def write_frame(frame: pd.DataFrame, path: Path) -> None:

@@ -1,4 +1,5 @@
-"""This rank's shard of the rows, in batches fetched with one tensor index each.
+"""Which rows are this rank's (its block to read, its shard to train on), and its batches,
+fetched with one tensor index each.
 
 A DataLoader over a per-row Dataset calls __getitem__ and collates once per row: for a
 small model that Python work costs more than the step itself. Here a sampler only decides
@@ -8,7 +9,6 @@ the order; each batch is a single `index_select` on the in-memory tensors.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
 
 import torch
 from torch.utils.data import DistributedSampler
@@ -16,30 +16,10 @@ from torch.utils.data import DistributedSampler
 from hvd_cpu.data.features import Arrays
 
 
-class EpochSampler(Protocol):
-    """A sampler that reshuffles per epoch, like DistributedSampler. `order` is the epoch's
-    positions as one tensor, what the batches are cut from: iterated, 13.5 M rows are a list of
-    Python ints of 0.5 GB, as an int32 tensor 54 MB."""
-
-    def set_epoch(self, epoch: int) -> None: ...
-    def order(self) -> torch.Tensor: ...
-    def __iter__(self) -> Iterator[int]: ...
-    def __len__(self) -> int: ...
-
-
-class GlobalSampler(DistributedSampler):
-    """torch's DistributedSampler, whose shard `order` also gives as a tensor (the same
-    positions as iterating it: tested)."""
-
-    def order(self) -> torch.Tensor:
-        rows = len(self.dataset)
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(rows, generator=generator, dtype=index_type(rows))
-        else:
-            order = torch.arange(rows, dtype=index_type(rows))
-        return padded(order, self.total_size)[self.rank : self.total_size : self.num_replicas]
+def rank_block(count: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, stop) of this rank's contiguous block of `count` rows: what a rank reads to fit
+    statistics or to predict; the blocks of all ranks are disjoint and cover every row."""
+    return rank * count // size, (rank + 1) * count // size
 
 
 def index_type(rows: int) -> torch.dtype:
@@ -55,72 +35,57 @@ def padded(order: torch.Tensor, length: int) -> torch.Tensor:
     return order.repeat(-(-length // len(order)))[:length]
 
 
-def global_sampler(rows: int, rank: int, size: int, shuffle: bool, seed: int) -> EpochSampler:
-    """Every rank holds all rows; the sampler gives each rank its own, disjoint shard (padded
-    so every rank takes the same number of steps) and reshuffles them across ranks each epoch."""
-    return GlobalSampler(range(rows), num_replicas=size, rank=rank, shuffle=shuffle, seed=seed)
+class ShardSampler(DistributedSampler):
+    """This rank's positions in the rows of each epoch, reshuffled by `set_epoch`.
 
+    `order` gives them as one tensor, what the batches are cut from: iterated, 13.5 M rows are
+    a list of Python ints of 0.5 GB, as an int32 tensor 54 MB. Every rank takes the same number
+    of positions (some rows twice), so no rank waits for steps another does not take.
 
-class ResumableSampler(DistributedSampler):
-    """A DistributedSampler that goes on mid-epoch with another number of ranks (--elastic).
-
-    Rank r takes every size-th row of the epoch's order, so after k steps of b rows the ranks
-    together have trained exactly the first k x b x size rows of it. `skip` says how many;
-    the rest are shared out among however many ranks there are now, so within an epoch no
-    row is dropped or trained twice. With skip 0 the shards are DistributedSampler's.
+    - Every rank holds all rows (default): the shards are DistributedSampler's, disjoint and
+      reshuffled across ranks each epoch (seed + epoch).
+    - --elastic: rank r takes every size-th row of the epoch's order, so after k steps of b rows
+      the ranks together have trained exactly its first k x b x size rows. `skip` says how
+      many; the rest are shared out among however many ranks there are now (`reshard`), so
+      within an epoch no row is dropped or trained twice. With skip 0 the shards are
+      DistributedSampler's.
+    - --shard-read (`length` given): `rows` are this rank's own; it shuffles within them (seed
+      + 1_000_003 x epoch + rank) and repeats some to reach `length`, the longest shard.
     """
 
-    def __init__(self, rows: int, rank: int, size: int, shuffle: bool, seed: int) -> None:
+    def __init__(
+        self, rows: int, rank: int, size: int, shuffle: bool, seed: int, length: int | None = None
+    ) -> None:
         super().__init__(range(rows), num_replicas=size, rank=rank, shuffle=shuffle, seed=seed)
+        self.length = length
         self.skip = 0
 
     def reshard(self, rank: int, size: int) -> None:
+        """--elastic: go on as `rank` of `size`, from `skip` on."""
         self.rank, self.num_replicas = rank, size
 
     def __len__(self) -> int:
+        if self.length is not None:
+            return self.length
         return -(-max(len(self.dataset) - self.skip, 0) // self.num_replicas)
 
     def order(self) -> torch.Tensor:
+        if self.length is not None:
+            own = self._permutation(self.seed + 1_000_003 * self.epoch + self.rank)
+            return padded(own, self.length)
+        rest = self._permutation(self.seed + self.epoch)[self.skip :]
+        return padded(rest, len(self) * self.num_replicas)[self.rank :: self.num_replicas]
+
+    def _permutation(self, seed: int) -> torch.Tensor:
+        """All positions, shuffled by `seed` (as DistributedSampler shuffles) or in order."""
         rows = len(self.dataset)
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(rows, generator=generator, dtype=index_type(rows))
-        else:
-            order = torch.arange(rows, dtype=index_type(rows))
-        total = len(self) * self.num_replicas  # padded, as DistributedSampler pads
-        return padded(order[self.skip :], total)[self.rank :: self.num_replicas]
+        if not self.shuffle:
+            return torch.arange(rows, dtype=index_type(rows))
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randperm(rows, generator=generator, dtype=index_type(rows))
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.order().tolist())
-
-
-class LocalShardSampler:
-    """Each rank holds only its own rows (--shard-read): shuffle within them, and repeat some
-    to reach `length`, the longest shard, so that every rank takes the same number of steps."""
-
-    def __init__(self, rows: int, length: int, rank: int, shuffle: bool, seed: int) -> None:
-        self.rows, self.length, self.rank = rows, length, rank
-        self.shuffle, self.seed = shuffle, seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def order(self) -> torch.Tensor:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(
-                self.seed + 1_000_003 * self.epoch + self.rank
-            )
-            order = torch.randperm(self.rows, generator=generator, dtype=index_type(self.rows))
-        else:
-            order = torch.arange(self.rows, dtype=index_type(self.rows))
-        return padded(order, self.length)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.order().tolist())
-
-    def __len__(self) -> int:
-        return self.length
 
 
 class ShardedBatches:
@@ -131,7 +96,7 @@ class ShardedBatches:
     """
 
     def __init__(
-        self, arrays: Arrays, rows: torch.Tensor, batch_size: int, sampler: EpochSampler
+        self, arrays: Arrays, rows: torch.Tensor, batch_size: int, sampler: ShardSampler
     ) -> None:
         self.x = torch.from_numpy(arrays.x)
         self.y = torch.from_numpy(arrays.y)

@@ -20,7 +20,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from hvd_cpu.data.features import BATCH, text_column_names
+from hvd_cpu.data.columns import BATCH, text_column_names
 from hvd_cpu.errors import InputError
 
 # Column chunks read as they are decoded, not the whole row group's first (pre-buffering

@@ -214,8 +214,8 @@ class HorovodCollectives(Collectives):
         # contiguous copy, written back.
         strided = {name: t.contiguous() for name, t in tensors.items() if not t.is_contiguous()}
         hvd.broadcast_parameters({**tensors, **strided}, root_rank=0)
-        for name, copy in strided.items():
-            tensors[name].copy_(copy)
+        for name, contiguous in strided.items():
+            tensors[name].copy_(contiguous)
 
     def broadcast_object(self, obj: Any, name: str) -> Any:
         return hvd.broadcast_object(obj, root_rank=0, name=name)

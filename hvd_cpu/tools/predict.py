@@ -14,8 +14,10 @@ import pandas as pd
 import torch
 from torch import nn
 
-from hvd_cpu.data.features import FeatureTransform, check_unique_columns
+from hvd_cpu.data.columns import check_unique_columns
+from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.data.frames import check_writable, format_of, open_rows, write_frame
+from hvd_cpu.data.loader import rank_block
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.networks import EVAL_ROWS, build_model, outputs
 from hvd_cpu.output.model_files import ModelFile
@@ -47,8 +49,7 @@ def load(
         check_writable(config.output)
     model, transform = load_model(config.model_path)
     rows = open_rows(config.data, config.format)
-    count = rows.rows
-    block = rows.frame(world.rank * count // world.size, (world.rank + 1) * count // world.size)
+    block = rows.frame(*rank_block(rows.rows, world.rank, world.size))
     check_columns(block, transform, config.id_column)
     return model, transform, block
 

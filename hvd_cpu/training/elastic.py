@@ -2,7 +2,7 @@
 (runtime/horovod.py), again each time ranks come or go, from the state all ranks just took
 from rank 0. What the loop keeps (`capture`), puts back (`apply`) and shares (`sync`) is here,
 beside the two things elastic changes elsewhere: each rank prepares alone
-(training/prepare.py) and the sampler goes on mid-epoch (data/loader.py, ResumableSampler).
+(training/prepare.py) and the sampler goes on mid-epoch (data/loader.py, ShardSampler.skip).
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ class ElasticJob:
     """A Job run by Horovod's elastic loop: after a lost rank the survivors roll back to the
     last commit, after ranks came or went every rank goes on from rank 0's."""
 
+    # Set by `sync`, which runs before each pass: this rank's place now, and the job's size
+    # before (for the line that says how it goes on).
+    world: World
+    before: int
+
     def __init__(self, job: Job) -> None:
         self.job = job
         self.state = horovod.ElasticState(self.capture, self.apply, self.sync)
@@ -59,7 +64,12 @@ class ElasticJob:
         self.job.started = saved["started"]
 
     def sync(self) -> None:
+        """At each (re)start, on the ranks there are now: first this rank's new place (rank 0
+        may be gone, and another rank is rank 0 now), then rank 0's state."""
         job = self.job
+        self.before = job.trainer.world_size
+        self.world = horovod.elastic_world(job.config.threads)
+        job.trainer.resize(self.world)
         job.trainer.sync_from_root()
         shared = job.trainer.collectives.broadcast_object(
             (job.started, job.saved_epoch), "job_state"
@@ -67,11 +77,8 @@ class ElasticJob:
         job.started, job.saved_epoch = shared
 
     def _run_once(self) -> None:
-        """One pass of the elastic loop, on the ranks there are now."""
-        job, state = self.job, self.state
-        world = horovod.elastic_world(job.config.threads)
-        before = job.trainer.world_size
-        job.trainer.resize(world)
+        """One pass of the elastic loop, on the ranks `sync` just found."""
+        job, state, world, before = self.job, self.state, self.world, self.before
         if not job.started:
             job.start(world, checked_output(job.config, world))
             state.commit()

@@ -8,7 +8,6 @@ rank 0 reports it once.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,8 @@ from hvd_cpu.data.features import (
     Selection,
     fit,
 )
-from hvd_cpu.data.frames import InMemory, data_format, open_rows, parquet_rows
+from hvd_cpu.data.frames import InMemory, data_format, open_rows, parquet_rows, probe_folder
+from hvd_cpu.data.loader import index_type, rank_block
 from hvd_cpu.data.parquet import Pieces
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.losses import Loss, build_loss, check_loss
@@ -54,23 +54,13 @@ def check_output(config: TrainConfig, world: World) -> Checkpoint | None:
     if not world.is_root:
         return None
     tracking.check(config)
-    # Folders made only to test writing go again: the run makes them when it has something to
-    # write, so one that stops on bad input leaves no empty folder behind.
-    made = [folder for folder in (config.output, *config.output.parents) if not folder.exists()]
     try:
-        config.output.mkdir(parents=True, exist_ok=True)
-        probe = config.output / ".hvd-cpu-write-test"
-        probe.touch()
-        probe.unlink()
+        probe_folder(config.output)
     except OSError as exc:
         raise InputError(
             f"cannot write to output folder {config.output}: {exc.strerror}; "
             "choose another --output"
         ) from exc
-    finally:
-        for folder in made:  # the deepest first
-            with contextlib.suppress(OSError):
-                folder.rmdir()
     path = config.output / CHECKPOINT
     if config.resume:
         state = Checkpoint.load(path)
@@ -126,8 +116,7 @@ def read_rows(config: TrainConfig, world: World) -> tuple[Pieces | InMemory, int
             f"the data has {rows.rows} row(s), fewer than the {world.size} ranks; "
             "use fewer ranks (-np) or more rows"
         )
-    count = rows.rows
-    return rows, world.rank * count // world.size, (world.rank + 1) * count // world.size
+    return rows, *rank_block(rows.rows, world.rank, world.size)
 
 
 def encode(
@@ -157,9 +146,9 @@ def encode(
 
 def split(rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(training rows, validation rows): a hold-out fixed by the seed, sorted (in place: both
-    are views of one permutation). int32 below 2**31 rows: half the memory, the same order."""
-    dtype = np.int32 if rows < 2**31 else np.int64
-    order = np.random.default_rng(seed).permutation(np.arange(rows, dtype=dtype))
+    are views of one permutation), of the sampler's index type."""
+    positions = torch.arange(rows, dtype=index_type(rows)).numpy()
+    order = np.random.default_rng(seed).permutation(positions)
     held = round(rows * fraction)
     train, val = order[held:], order[:held]
     train.sort()

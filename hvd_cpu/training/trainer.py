@@ -20,12 +20,7 @@ from torch import nn
 
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
-from hvd_cpu.data.loader import (
-    LocalShardSampler,
-    ResumableSampler,
-    ShardedBatches,
-    global_sampler,
-)
+from hvd_cpu.data.loader import ShardedBatches, ShardSampler
 from hvd_cpu.model.losses import Loss
 from hvd_cpu.model.networks import parameter_digest
 from hvd_cpu.model.optim import adam
@@ -203,15 +198,10 @@ def build_trainer(
 ) -> Trainer:
     """A Trainer of `model` over this rank's shard of `prepared`; call on every rank
     (collectives)."""
-    rows = len(prepared.train_rows)
-    if config.shard_read:
-        sampler = LocalShardSampler(
-            rows, prepared.train_length, world.rank, config.shuffle, config.seed
-        )
-    elif config.elastic:
-        sampler = ResumableSampler(rows, world.rank, world.size, config.shuffle, config.seed)
-    else:
-        sampler = global_sampler(rows, world.rank, world.size, config.shuffle, config.seed)
+    length = prepared.train_length if config.shard_read else None  # its own rows, padded
+    sampler = ShardSampler(
+        len(prepared.train_rows), world.rank, world.size, config.shuffle, config.seed, length
+    )
     batches = ShardedBatches(prepared.arrays, prepared.train_rows, config.batch_size, sampler)
     if config.elastic:  # every rank holds all held-out rows; no collective before the loop
         has_validation = len(prepared.val_rows) > 0
