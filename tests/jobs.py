@@ -95,13 +95,17 @@ def skip_without_mpi() -> None:
 
 
 def horovodrun_command(
-    np: int, controller: str = "gloo", launcher: tuple[str, ...] = ()
+    np: int,
+    controller: str = "gloo",
+    launcher: tuple[str, ...] = (),
+    program: tuple[str, ...] = (str(BIN / "hvd-cpu"),),
 ) -> list[str]:
-    """The command line of `horovodrun(...)`, up to hvd-cpu's own arguments."""
+    """The command line of `horovodrun(...)`, up to the program's own arguments (hvd-cpu's,
+    unless another `program` is named)."""
     if controller == "mpi":
         skip_without_mpi()
     command = [str(BIN / "horovodrun"), f"--{controller}", "-np", str(np), "--disable-cache"]
-    return [*command, *launcher, str(BIN / "hvd-cpu")]
+    return [*command, *launcher, *program]
 
 
 def mpirun(np: int, *args: str, timeout: float = 300) -> Run:

@@ -12,18 +12,16 @@ import torch
 from hvd_cpu.errors import InputError
 from hvd_cpu.runtime.collectives import Alone
 
-from .jobs import BIN, REPO, run, skip_without_mpi
+from .jobs import BIN, REPO, horovodrun_command, run
 
 
 @pytest.mark.parametrize(
     ("controller", "backend"), [("gloo", "HorovodCollectives"), ("mpi", "MpiCollectives")]
 )
 def test_each_backend_gives_the_same_answers_on_two_ranks(controller: str, backend: str) -> None:
-    if controller == "mpi":
-        skip_without_mpi()
     script = REPO / "tests" / "collectives_check.py"
-    command = [str(BIN / "horovodrun"), f"--{controller}", "-np", "2", "--disable-cache"]
-    job = run([*command, str(BIN / "python"), str(script)], timeout=120)
+    command = horovodrun_command(2, controller, program=(str(BIN / "python"), str(script)))
+    job = run(command, timeout=120)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     said = sorted(text for _, text in job.rank_lines() if text.startswith("collectives ok"))
     assert said == [f"collectives ok 0 {backend}", f"collectives ok 1 {backend}"]

@@ -1,4 +1,4 @@
-"""The frame formats are named once (hvd_cpu.data.formats); the readers, the writers, the
+"""The frame formats are named once (hvd_cpu.config.formats); the readers, the writers, the
 options' check and the command line's choices and help all follow that list."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 import click
 
 from hvd_cpu.cli import cli
+from hvd_cpu.config.formats import EXTENSIONS, FORMATS, extensions_text
 from hvd_cpu.config.options import CHOICES
-from hvd_cpu.data.formats import EXTENSIONS, FORMATS, extensions_text
 from hvd_cpu.data.frames import READERS, WRITERS
 
 

@@ -12,12 +12,12 @@ import pandas as pd
 import pytest
 import torch
 
+from hvd_cpu.atomic import atomic_write
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.data.features import FeatureTransform, Selection, fit
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.networks import Network, build_model
 from hvd_cpu.model.optim import adam
-from hvd_cpu.output.atomic import atomic_write
 from hvd_cpu.output.model_files import CHECKPOINT, MODEL, Checkpoint, ModelFile
 from hvd_cpu.runtime.collectives import Alone
 
@@ -154,7 +154,7 @@ def test_new_files_follow_the_umask(tmp_path: Path):
     script = f"""
         import os
         from pathlib import Path
-        from hvd_cpu.output.atomic import atomic_write
+        from hvd_cpu.atomic import atomic_write
 
         for umask, name in [(0o027, "a"), (0o002, "b")]:
             os.umask(umask)

@@ -10,14 +10,17 @@ from torch import nn
 
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.errors import InputError
+from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.collectives import Alone
 from hvd_cpu.runtime.horovod import World
 from hvd_cpu.training import sync
 
 
-class Counting(Alone):
-    """The job of one, remembering each average asked for (its name and a copy of what it
-    averaged); `in_calling_thread` as the test needs."""
+class Halving(Alone):
+    """A job whose "other ranks" all hold zeros, of any size: each average halves the tensor in
+    place (what two ranks give when the other's part is zero), so a strategy that averages a
+    copy, or steps before it averages, ends elsewhere. It remembers each average asked for
+    (its name and what it was given); `in_calling_thread` as the test needs."""
 
     def __init__(self, in_calling_thread: bool = True) -> None:
         self.in_calling_thread = in_calling_thread
@@ -25,7 +28,7 @@ class Counting(Alone):
 
     def average_(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         self.averaged.append((name, tensor.clone()))
-        return tensor
+        return tensor.mul_(0.5)
 
 
 def world_of(size: int, collectives: Alone) -> World:
@@ -43,11 +46,11 @@ def backward(net: nn.Module, seed: int) -> None:
     nn.functional.mse_loss(net(x), y).backward()
 
 
-def test_direct_averaging_averages_the_gradients_backward_wrote_in_one_buffer() -> None:
-    """Step for step as plain SGD on the same model (the job of one's average is the gradient
-    itself), each step's gradients carried by one collective, in parameter order."""
-    net, reference, counting = model(), model(), Counting()
-    strategy = sync.DirectAveraging(torch.optim.SGD(net.parameters(), lr=0.1), net, counting)
+def test_direct_averaging_steps_on_the_average_of_the_gradients_backward_wrote() -> None:
+    """Step for step as plain SGD on half the gradients (what Halving's average gives), each
+    step's gradients carried by one collective, in parameter order."""
+    net, reference, halving = model(), model(), Halving()
+    strategy = sync.DirectAveraging(torch.optim.SGD(net.parameters(), lr=0.1), net, halving)
     plain = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in (1, 2, 3):
         strategy.zero_grad()
@@ -55,11 +58,13 @@ def test_direct_averaging_averages_the_gradients_backward_wrote_in_one_buffer() 
         plain.zero_grad()
         backward(reference, step)
         strategy.step(step)
-        plain.step()
-        name, carried = counting.averaged[-1]
+        name, carried = halving.averaged[-1]
         grads = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
         assert name == "gradients" and torch.equal(carried, grads)
-    assert len(counting.averaged) == 3
+        for p in reference.parameters():
+            p.grad.mul_(0.5)
+        plain.step()
+    assert len(halving.averaged) == 3
     for ours, theirs in zip(net.parameters(), reference.parameters(), strict=True):
         assert torch.equal(ours, theirs)
 
@@ -67,23 +72,30 @@ def test_direct_averaging_averages_the_gradients_backward_wrote_in_one_buffer() 
 def test_direct_averaging_refuses_parameters_of_two_dtypes() -> None:
     net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1).double())
     with pytest.raises(InputError, match="one dtype"):
-        sync.DirectAveraging(torch.optim.SGD(net.parameters(), lr=0.1), net, Counting())
+        sync.DirectAveraging(torch.optim.SGD(net.parameters(), lr=0.1), net, Halving())
 
 
 def test_local_sgd_averages_the_parameters_every_k_steps_and_at_the_epoch_end() -> None:
-    net, counting = model(), Counting()
-    strategy = sync.LocalSGD(torch.optim.SGD(net.parameters(), lr=0.1), net, counting, every=3)
+    net, halving = model(), Halving()
+    strategy = sync.LocalSGD(torch.optim.SGD(net.parameters(), lr=0.1), net, halving, every=3)
     waits = []
     for step in range(1, 8):
         strategy.zero_grad()
         backward(net, step)
+        before_step = torch.nn.utils.parameters_to_vector(net.parameters()).detach().clone()
         waits.append(strategy.step(step))
-    assert [name for name, _ in counting.averaged] == ["average_parameters"] * 2  # steps 3, 6
+        after = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
+        if step % 3 == 0:  # averaged after this step: what was averaged is in the parameters
+            name, given = halving.averaged[-1]
+            assert name == "average_parameters" and not torch.equal(given, before_step)
+            assert torch.equal(after, given * 0.5)
+    assert len(halving.averaged) == 2  # steps 3 and 6
     assert [wait > 0 for wait in waits] == [False, False, True, False, False, True, False]
+    before = torch.nn.utils.parameters_to_vector(net.parameters()).detach().clone()
     strategy.end_epoch()
-    flat = torch.nn.utils.parameters_to_vector(net.parameters())
-    assert torch.equal(counting.averaged[-1][1], flat.detach())
+    assert torch.equal(torch.nn.utils.parameters_to_vector(net.parameters()), before * 0.5)
     assert not strategy.global_batch_steps  # its lr is not scaled with the ranks
+    assert strategy.described == "parameters averaged every 3 steps"
 
 
 @pytest.mark.parametrize(
@@ -98,7 +110,7 @@ def test_the_options_choose_the_strategy(options: dict, size: int, expected: typ
     net = model()
     chosen = sync.choose(
         TrainConfig(**options), torch.optim.SGD(net.parameters(), lr=0.1), net,
-        world_of(size, Counting()),
+        world_of(size, Halving()),
     )  # fmt: skip
     assert type(chosen) is expected
 
@@ -108,5 +120,18 @@ def test_the_direct_allreduce_needs_a_backend_that_runs_in_the_calling_thread() 
     with pytest.raises(InputError, match="--allreduce direct needs the MPI controller"):
         sync.choose(
             TrainConfig(allreduce="direct"), torch.optim.SGD(net.parameters(), lr=0.1), net,
-            world_of(2, Counting(in_calling_thread=False)),
+            world_of(2, Halving(in_calling_thread=False)),
         )  # fmt: skip
+
+
+def test_a_job_of_one_takes_horovods_optimizer_whatever_the_options() -> None:
+    """And its collectives are the job of one's: nothing goes through Horovod's cycle."""
+    world = horovod.init(threads=1)
+    assert world.size == 1 and type(world.collectives) is Alone
+    for options in ({}, {"sync_every": 4}, {"allreduce": "direct"}):
+        net = model()
+        chosen = sync.choose(
+            TrainConfig(**options), torch.optim.SGD(net.parameters(), lr=0.1), net, world
+        )
+        assert type(chosen) is sync.HorovodAveraging
+        assert chosen.described == "gradients averaged by hvd.DistributedOptimizer"

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import torch
 
-from hvd_cpu.output.atomic import atomic_write
+from hvd_cpu.atomic import atomic_write
 from hvd_cpu.output.model_files import CHECKPOINT, load
 
 from .jobs import BIN, demo_file, horovodrun, hvd_cpu, processes_naming, ranks, run, weights
@@ -78,7 +78,7 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path: Path) ->
     script = f"""
         import sys, time
         from pathlib import Path
-        from hvd_cpu.output.atomic import atomic_write
+        from hvd_cpu.atomic import atomic_write
 
         def write(handle):
             handle.write(b"half a checkpoint" * 1000)

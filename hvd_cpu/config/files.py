@@ -17,8 +17,8 @@ import click
 import tomli_w
 import yaml
 
+from hvd_cpu.atomic import atomic_write
 from hvd_cpu.config.values import spelled
-from hvd_cpu.output.atomic import atomic_write
 
 if TYPE_CHECKING:
     from hvd_cpu.config.options import TrainConfig

@@ -9,10 +9,9 @@ from typing import Any, ClassVar, Literal
 
 import click
 
-from hvd_cpu.config.values import JSON_OBJECT, NAMES, SIZES
-from hvd_cpu.data.formats import FORMATS, extensions_text
+from hvd_cpu.config.formats import FORMATS, extensions_text
+from hvd_cpu.config.values import JSON_OBJECT, NAMES, SIZES, is_spec
 from hvd_cpu.errors import InputError
-from hvd_cpu.model.user_code import is_spec
 
 # The demo frame used when no --data is given: small enough that ten epochs over four ranks
 # on two cores take seconds, and that the loss still falls in each of them (on 20 000 rows the

@@ -1,5 +1,6 @@
 """Option values as they are typed: comma-separated lists and JSON objects, read by click types,
-and any value written back as text (bench's recommended command, a --config file's lists).
+"module:Name" specs of the user's code, and any value written back as text (bench's
+recommended command, a --config file's lists).
 
 The types also take a value already parsed (a TrainConfig default such as `(32,)`), so an
 option's default is its field's default, not a second spelling of it.
@@ -58,6 +59,12 @@ class JsonObject(click.ParamType):
 NAMES = Names()
 SIZES = Sizes()
 JSON_OBJECT = JsonObject()
+
+
+def is_spec(text: str) -> bool:
+    """Whether `text` names code (MODULE:NAME or FILE.py:NAME: --model, --loss) rather than a
+    built-in choice."""
+    return ":" in text
 
 
 def spelled(value: Any) -> str:

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -21,7 +21,9 @@ from pandas.api import types
 
 from hvd_cpu.data.columns import check_unique_columns, row_batches
 from hvd_cpu.errors import InputError
-from hvd_cpu.runtime.collectives import Collectives
+
+if TYPE_CHECKING:  # the interface only: fitting needs no torch
+    from hvd_cpu.runtime.collectives import Collectives
 
 Task = Literal["regression", "classification"]
 Kind = Literal["numeric", "bool", "datetime", "timedelta", "category", "empty"]

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from hvd_cpu.atomic import atomic_write
+from hvd_cpu.config.formats import EXTENSIONS
 from hvd_cpu.data.columns import check_unique_columns, row_batches, text_column_names
-from hvd_cpu.data.formats import EXTENSIONS
 from hvd_cpu.data.parquet import Pieces
 from hvd_cpu.errors import InputError, RunFailed
-from hvd_cpu.output.atomic import atomic_write
 
 
 def _read_parquet(path: Path) -> pd.DataFrame:

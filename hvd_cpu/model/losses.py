@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from hvd_cpu.config.options import LOSS_NAMES
+from hvd_cpu.config.values import is_spec
 from hvd_cpu.errors import InputError
-from hvd_cpu.model.user_code import import_object, is_spec
+from hvd_cpu.model.user_code import import_object
 
 # Regression losses by name. Huber is squared near zero and linear past delta 1 (in the
 # target's units, or in standard deviations with --standardize-target): tabular targets with

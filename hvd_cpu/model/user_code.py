@@ -15,11 +15,6 @@ from typing import Any
 from hvd_cpu.errors import InputError
 
 
-def is_spec(text: str) -> bool:
-    """Whether `text` names code (MODULE:NAME or FILE.py:NAME) rather than a built-in choice."""
-    return ":" in text
-
-
 def import_object(spec: str, option: str) -> Any:
     """The object `spec` names; every way that can fail is one line naming `option`."""
     where, _, name = spec.rpartition(":")

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hvd_cpu.atomic import atomic_write
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.user_code import portable_spec
-from hvd_cpu.output.atomic import atomic_write
 
 if TYPE_CHECKING:
     from torch import nn

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: no display or GUI backend needed
 
+from hvd_cpu.atomic import atomic_write
 from hvd_cpu.errors import InputError
-from hvd_cpu.output.atomic import atomic_write
 
 
 def plot_losses(output: Path) -> Path:

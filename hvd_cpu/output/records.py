@@ -9,9 +9,9 @@ import sys
 import time
 from typing import Any
 
+from hvd_cpu.atomic import atomic_write
 from hvd_cpu.config.files import RECORD, record
 from hvd_cpu.config.options import TrainConfig
-from hvd_cpu.output.atomic import atomic_write
 from hvd_cpu.output.console import Progress, say
 from hvd_cpu.output.model_files import MODEL
 from hvd_cpu.output.summary import summary_table, waiting_advice
@@ -70,12 +70,15 @@ class Records:
             self.tracking.finished([self.output / MODEL, self.output / FEATURES])
         self.tracking.close(failed)
 
-    def summary(self, state: LoopState) -> None:
+    def summary(self, state: LoopState, synchronised: str) -> None:
         """The closing table, and advice when the ranks mostly waited for each other."""
         if self.config.quiet or not state.history:
             return
         wall = time.perf_counter() - self.started
-        say(summary_table(self.config, state, self.world_size, self.controller, wall))
+        table = summary_table(
+            self.config, state, self.world_size, self.controller, synchronised, wall
+        )
+        say(table)
         advice = waiting_advice(self.config, state, self.world_size, self.controller)
         if advice:
             say(advice, sys.stderr)

@@ -17,9 +17,15 @@ def waiting_share(state: LoopState) -> float:
 
 
 def summary_table(
-    config: TrainConfig, state: LoopState, world_size: int, controller: str, wall: float
+    config: TrainConfig,
+    state: LoopState,
+    world_size: int,
+    controller: str,
+    synchronised: str,
+    wall: float,
 ) -> str:
-    """The closing table: epochs, best validation, time, throughput."""
+    """The closing table: epochs, best validation, time, throughput; with several ranks, how
+    long they waited, and how they stayed in step (`synchronised`, the strategy's words)."""
     samples = sum(h["samples"] for h in state.history)
     seconds = sum(h["seconds"] for h in state.history)
     rows = [("epochs run", f"{state.epoch}")]
@@ -35,20 +41,10 @@ def summary_table(
     ]
     if world_size > 1:
         rows.append(("waiting for other ranks", f"{waiting_share(state):.0%} of training time"))
-        rows.append(("controller", synchronisation(config, controller)))
+        rows.append(("controller", f"{CONTROLLER_NAMES[controller]}; {synchronised}"))
     rows.append(("output", f"{config.output}"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
-
-
-def synchronisation(config: TrainConfig, controller: str) -> str:
-    """Which of Horovod's controllers ran the job, and how the ranks stayed in step."""
-    name = CONTROLLER_NAMES[controller]
-    if config.sync_every > 1:
-        return f"{name}; parameters averaged every {config.sync_every} steps"
-    if config.allreduce == "direct":
-        return f"{name}; gradients averaged by one MPI allreduce per step (direct)"
-    return f"{name}; gradients averaged by hvd.DistributedOptimizer"
 
 
 def waiting_advice(

@@ -1,10 +1,11 @@
-"""What the ranks exchange beside the training step's own synchronisation: one interface, one
-object per backend, chosen once when a rank joins the job and held by its `World`.
+"""What the ranks exchange (statistics, metrics, state, errors, and the gradients or parameters
+of the strategies that average them themselves: training/sync.py): one interface, one object
+per backend, chosen once when a rank joins the job and held by its `World`.
 
 Backends: Horovod's collectives (runtime/horovod.py; under Gloo they are all there is), an
 mpi4py communicator beside Horovod (runtime/mpi.py; microseconds instead of Horovod's cycle of
-milliseconds) and `Alone`, the job of one (a plain process, predict, a rank preparing alone
-under --elastic). A new backend is one new subclass.
+milliseconds) and `Alone`, the job of one (a plain process, a rank preparing alone under
+--elastic). A new backend is one new subclass, chosen in runtime/horovod.py's `init`.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def init(threads: int | None = None, comm: Any = None, horovod_steps: bool = Tru
     `horovod_steps=False` says no training step will use Horovod (see IDLE_CYCLE_MS).
     """
     arrange_ending()
-    collectives: Collectives = HorovodCollectives()
+    mpi = None
     if comm is not None or mpi_launched():
         if not hvd.mpi_built():
             raise InputError(
@@ -95,13 +95,18 @@ def init(threads: int | None = None, comm: Any = None, horovod_steps: bool = Tru
         if not horovod_steps:
             os.environ.setdefault("HOROVOD_CYCLE_TIME", IDLE_CYCLE_MS)
         hvd.init(comm=comm)
-        collectives = MpiCollectives(comm.Dup())
+        mpi = comm
     else:
         # A plain process is a job of one: Gloo's needs no launcher (MPI's would start a
         # singleton MPI runtime for nothing).
         os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
         os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
         hvd.init()
+    # A job of one exchanges nothing: each collective through Horovod's cycle would cost
+    # milliseconds, and a fit makes dozens of them.
+    collectives: Collectives = Alone()
+    if hvd.size() > 1:
+        collectives = HorovodCollectives() if mpi is None else MpiCollectives(mpi.Dup())
     return _world(threads, hvd.local_size(), collectives)
 
 
@@ -268,7 +273,7 @@ class ElasticState(State):
 
     Horovod's TorchState would broadcast the optimizer with broadcast_optimizer_state, whose
     zero-gradient step on a joining rank's fresh optimizer shifts Adam's bias correction; this
-    one leaves capture, apply and sync to the trainer (broadcast_training_state).
+    one leaves capture, apply and sync to the training code (training/elastic.py).
     """
 
     def __init__(

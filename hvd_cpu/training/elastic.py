@@ -67,11 +67,11 @@ class ElasticJob:
         """At each (re)start, on the ranks there are now: first this rank's new place (rank 0
         may be gone, and another rank is rank 0 now), then rank 0's state."""
         job = self.job
-        self.before = job.trainer.world_size
+        self.before = job.trainer.world.size
         self.world = horovod.elastic_world(job.config.threads)
         job.trainer.resize(self.world)
         job.trainer.sync_from_root()
-        shared = job.trainer.collectives.broadcast_object(
+        shared = job.trainer.world.collectives.broadcast_object(
             (job.started, job.saved_epoch), "job_state"
         )
         job.started, job.saved_epoch = shared

@@ -93,7 +93,7 @@ class Job:
             records.ranks(reports)
             records.features(transform.to_dict())
             ModelFile.export(self.config, model, transform).save(self.config.output / MODEL)
-            records.summary(trainer.state)
+            records.summary(trainer.state, trainer.sync.described)
             records.close(failed=False)
 
         self.write_root(world, write_results)

@@ -8,6 +8,9 @@ optimizer classes are), chosen once by `choose`. A new strategy is one new subcl
   no copies, none of Horovod's per-step cycle (MPI controller only; runtime/mpi.py says why).
 - `LocalSGD` (--sync-every K > 1): each rank steps on its own batches; the parameters are
   averaged every K steps and at the end of each epoch: K times fewer waits.
+
+A strategy that steps without Horovod's cycle also answers False in config's
+`steps_use_horovod` (which slows that cycle down before any strategy exists).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class GradientSync(ABC):
 
     # A step is one step of the global batch (batch size x ranks): the lr scales with it.
     global_batch_steps = True
+    # How the run's summary says the ranks stayed in step.
+    described = "gradients averaged by hvd.DistributedOptimizer"
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer  # what is stepped, checkpointed and broadcast
@@ -57,6 +62,8 @@ class HorovodAveraging(GradientSync):
 
 
 class DirectAveraging(GradientSync):
+    described = "gradients averaged by one MPI allreduce per step (direct)"
+
     def __init__(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, collectives: Collectives
     ) -> None:
@@ -99,6 +106,7 @@ class LocalSGD(GradientSync):
     ) -> None:
         super().__init__(optimizer)
         self.model, self.collectives, self.every = model, collectives, every
+        self.described = f"parameters averaged every {every} steps"
 
     def step(self, steps_taken: int) -> float:
         self.optimizer.step()

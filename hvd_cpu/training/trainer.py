@@ -50,20 +50,20 @@ class Trainer:
         self.model = model
         self.sync = sync.choose(config, adam(model.parameters(), config.lr), model, world)
         self.optimizer = self.sync.optimizer
-        self.rank, self.collectives = world.rank, world.collectives
         self.batches = batches
         self.validation = validation
         self.classification = config.task == "classification"
         self.loss_fn = loss_fn
         self.state = LoopState()
-        self._scale_to(world.size)
+        self._join(world)
 
-    def _scale_to(self, world_size: int) -> None:
-        """The lr schedule for `world_size` ranks (again whenever --elastic resizes)."""
+    def _join(self, world: World) -> None:
+        """This rank's place, and the lr schedule for its job's size (again whenever --elastic
+        resizes)."""
         config = self.config
-        self.world_size = world_size
+        self.world = world
         self.peak_lr = scaled_lr(
-            config.lr, world_size, config.scale_lr, self.sync.global_batch_steps
+            config.lr, world.size, config.scale_lr, self.sync.global_batch_steps
         )
         self.warmup_steps = config.warmup_epochs * len(self.batches)
 
@@ -73,8 +73,7 @@ class Trainer:
         self.batches.sampler.reshard(world.rank, world.size)
         if self.validation:
             self.validation.reshard(world.rank, world.size)
-        self.rank, self.collectives = world.rank, world.collectives
-        self._scale_to(world.size)
+        self._join(world)
 
     def lr(self) -> float:
         state = self.state
@@ -121,7 +120,7 @@ class Trainer:
             loss_sum, correct, batch_waited = self._run_batch(x, y)
             totals += torch.stack([loss_sum.double(), torch.tensor(len(x)), correct.double()])
             waited += batch_waited
-            state.epoch_rows += self.config.batch_size * self.world_size
+            state.epoch_rows += self.config.batch_size * self.world.size
             if progress:
                 progress.update(len(x), float(loss_sum) / len(x))
             if after_step:
@@ -129,20 +128,21 @@ class Trainer:
         waited += self.sync.end_epoch()
         seconds = time.perf_counter() - start
         totals = torch.cat([totals, torch.tensor([waited], dtype=torch.float64)])
-        loss_sum, samples, correct, waited = self.collectives.sum(totals, "epoch_totals").tolist()
+        totals = self.world.collectives.sum(totals, "epoch_totals")
+        loss_sum, samples, correct, waited = totals.tolist()
         metrics = EpochMetrics(
             epoch=epoch,
             train_loss=loss_sum / samples,
             samples=int(samples),
             seconds=seconds,
             lr=lr,
-            world_size=self.world_size,
+            world_size=self.world.size,
             train_accuracy=correct / samples if self.classification else None,
-            wait_seconds=waited / self.world_size,
+            wait_seconds=waited / self.world.size,
         )
         if self.validation:
             metrics.val_loss, metrics.val_accuracy = self.validation.evaluate(
-                self.model, self.loss_fn, self.classification, self.collectives
+                self.model, self.loss_fn, self.classification, self.world.collectives
             )
             state.validated(metrics.val_loss, epoch, self.config.plateau_patience)
         state.epoch, state.epoch_rows = epoch, 0
@@ -178,10 +178,10 @@ class Trainer:
         The optimizer state goes as one object: Horovod's broadcast_optimizer_state would first
         take a zero-gradient step on a fresh optimizer, which shifts Adam's bias correction.
         """
-        collectives = self.collectives
+        collectives = self.world.collectives
         collectives.broadcast_(self.model.state_dict())
         optimizer = collectives.broadcast_object(
-            self.optimizer.state_dict() if self.rank == 0 else None, "optimizer_state"
+            self.optimizer.state_dict() if self.world.is_root else None, "optimizer_state"
         )
         self.optimizer.load_state_dict(optimizer)
         self.state = LoopState(**collectives.broadcast_object(asdict(self.state), "loop_state"))

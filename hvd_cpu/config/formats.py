@@ -1,7 +1,8 @@
-"""The frame file formats hvd-cpu reads and writes: their names (--format) and extensions.
+"""The frame file formats hvd-cpu reads and writes: their names (--format's values) and
+extensions.
 
-Apart from frames.py, which reads and writes them, so that the command line can list them in
-its choices and help without importing pandas and pyarrow (seconds, for `hvd-cpu --help`).
+Apart from data/frames.py, which reads and writes them, so that the command line can list them
+in its choices and help without importing pandas and pyarrow (seconds, for `hvd-cpu --help`).
 """
 
 from __future__ import annotations
