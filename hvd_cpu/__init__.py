@@ -11,13 +11,13 @@ from typing import Any
 os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "jemalloc")
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "benchmark", "fit"]
+__all__ = ["__version__", "benchmark", "fit", "predict"]
 
 
 def __getattr__(name: str) -> Any:
-    # `hvd_cpu.fit` and `hvd_cpu.benchmark` are hvd_cpu.api's, imported on first use so that
-    # `import hvd_cpu` (and `hvd-cpu --help`) does not pay for loading torch and Horovod.
-    if name in ("benchmark", "fit"):
+    # `hvd_cpu.fit`, `predict` and `benchmark` are hvd_cpu.api's, imported on first use so
+    # that `import hvd_cpu` (and `hvd-cpu --help`) does not pay for loading torch and Horovod.
+    if name in ("benchmark", "fit", "predict"):
         from hvd_cpu import api
 
         return getattr(api, name)

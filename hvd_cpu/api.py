@@ -1,34 +1,65 @@
-"""Train from Python: `hvd_cpu.fit(frame, target="y", np=4)` from a script or a notebook.
+"""Train from Python: `hvd_cpu.fit(frame, target="y", np=4, model=Network)` from a script or
+a notebook, with the classes and functions defined right there.
 
-It launches the ranks itself (Horovod's programmatic launcher, no horovodrun command), runs
-the same training as `hvd-cpu train`, and returns rank 0's model and metrics.
+It launches the ranks itself (Horovod's programmatic launcher in a child process, no
+horovodrun command), runs the same training as `hvd-cpu train`, and returns rank 0's model,
+its metrics and a predict() that encodes new rows as training did. `hvd_cpu.predict(...)`
+predicts from a run's folder.
 `hvd_cpu.benchmark(...)` is `hvd-cpu bench`: the command line only parses options for it.
 """
 
 from __future__ import annotations
 
 import tempfile
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import pandas as pd
+import torch
+from torch import nn
 
 from hvd_cpu.config.options import DEMO_FEATURES, TrainConfig
 from hvd_cpu.data.demo import make_demo_frame
+from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.data.frames import write_frame
 from hvd_cpu.errors import InputError
-from hvd_cpu.runtime import horovod
+from hvd_cpu.model import user_code
+from hvd_cpu.output.notebook import EpochBar, in_notebook
+from hvd_cpu.output.records import METRICS
+from hvd_cpu.runtime import driver
 from hvd_cpu.runtime.cores import usable_cores
 from hvd_cpu.runtime.lifecycle import launch_rank, launch_rank_known
 from hvd_cpu.tools import bench
+from hvd_cpu.tools.predict import check_columns, load_model, predictions
 from hvd_cpu.training.train import TrainResult, train
 
 
-def _rank_main(config: TrainConfig) -> TrainResult | None:
-    """What each rank runs; rank 0 hands back the model and metrics."""
+@dataclass
+class FitResult:
+    """What fit() hands back: rank 0's trained model (the same on every rank), each epoch's
+    metrics, the feature encoding fitted on the data, and the run's folder."""
+
+    model: nn.Module
+    history: pd.DataFrame
+    transform: FeatureTransform
+    output: Path
+
+    def predict(self, data: pd.DataFrame, id_column: str | None = None) -> pd.DataFrame:
+        """The model's predictions for `data` (the training frame's feature columns), encoded
+        as in training: a frame with a prediction column per target (and the --id column)."""
+        check_columns(data, self.transform, id_column)
+        return predictions(self.model, self.transform, data, id_column)
+
+
+def _rank_main(config: TrainConfig, shipped: dict[str, bytes]) -> bytes | None:
+    """What each rank runs; rank 0 hands back the model and metrics, pickled by value (its
+    class may come from the user's file or notebook)."""
+    user_code.receive(shipped)
     result = train(config)
-    return result if launch_rank() == 0 else None
+    return cloudpickle.dumps(result) if launch_rank() == 0 else None
 
 
 def fit(
@@ -38,18 +69,25 @@ def fit(
     hosts: str | None = None,
     controller: str = "gloo",
     comm: Any = None,
+    model: type[nn.Module] | Callable[..., nn.Module] | str | None = None,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | str | None = None,
     **options: Any,
-) -> TrainResult:
+) -> FitResult:
     """Train on `data` (a DataFrame, or a path to a frame file) with `np` CPU processes.
 
-    `options` are the fields of TrainConfig (the long option names of `hvd-cpu train` with
-    underscores: epochs=20, batch_size=256, val_fraction=0.2, output="runs/x", ...).
+    `model` is your own torch.nn.Module class or a function returning one, defined anywhere,
+    a notebook cell included (or "module:Name", "file.py:Name"); `model_args=` gives it more
+    arguments. `loss` is your fn(output, target), or a name ("mse", "huber", ...). Objects
+    reach the ranks by value (cloudpickle).
+    `options` are the other fields of TrainConfig (the long option names of `hvd-cpu train`
+    with underscores: epochs=20, batch_size=256, val_fraction=0.2, output="runs/x", ...).
     `hosts` is horovodrun's -H ("host1:2,host2:2"); by default all ranks run here.
     `controller` is "gloo" or "mpi" (Open MPI's shared memory between the ranks of a host;
     with allreduce="direct" and at most one rank per core, the fastest here: README).
     With `comm`, an mpi4py communicator of your own program, nothing is launched: every
     process of `comm` calls fit and trains as one rank of it (np, hosts and controller unused).
-    Raises InputError for bad input, with the same message the command line prints.
+    Raises InputError for bad input, with the same message the command line prints, and
+    KeyboardInterrupt when interrupted, once every rank has stopped.
     """
     if not isinstance(data, (pd.DataFrame, str, Path)):
         raise InputError(
@@ -58,6 +96,13 @@ def fit(
         )
     if comm is None and np < 1:
         raise InputError(f"np must be at least 1, got {np}")
+    code = {}  # the user's objects, by the name the config records them under
+    for option, value in (("model", model), ("loss", loss)):
+        if value is not None and not isinstance(value, str):
+            label = user_code.label_of(value, option)
+            code[label] = (option, value)
+            value = label
+        options[option] = value
     targets = (target,) if isinstance(target, str) else tuple(target)
     config = TrainConfig(targets=targets, **options)
     with tempfile.TemporaryDirectory(prefix="hvd-cpu-fit-") as folder:
@@ -72,8 +117,39 @@ def fit(
             config, data=path, output=Path(config.output).absolute(), tensorboard=board
         )
         if comm is not None:
-            return train(config, comm=comm)
-        return horovod.launch(_rank_main, (config,), np=np, hosts=hosts, controller=controller)[0]
+            for label, (_, obj) in code.items():
+                user_code.provide(label, obj)
+            return _fit_result(train(config, comm=comm), config.output)
+        shipped = {label: user_code.ship(obj, option) for label, (option, obj) in code.items()}
+        bar = EpochBar(config.output / METRICS, config.epochs) if in_notebook() else None
+        try:
+            results = driver.run(
+                _rank_main, (config, shipped), np, hosts, controller, watch=bar or (lambda: None)
+            )
+        finally:
+            if bar:
+                bar.close()
+    return _fit_result(cloudpickle.loads(results[0]), config.output)
+
+
+def _fit_result(result: TrainResult, output: Path) -> FitResult:
+    return FitResult(result.model, pd.DataFrame(result.history), result.transform, output)
+
+
+def predict(
+    run: str | Path,
+    data: pd.DataFrame,
+    id_column: str | None = None,
+    model: type[nn.Module] | Callable[..., nn.Module] | None = None,
+) -> pd.DataFrame:
+    """Predictions for `data` from a run's folder (or its model.pt), as `hvd-cpu predict`
+    writes them. `model`: the class or function the run was trained with, when it was
+    defined in a notebook or script (its model.pt names it `__main__:Name`)."""
+    if model is not None:
+        user_code.provide(user_code.label_of(model, "model"), model)
+    trained, transform = load_model(Path(run))
+    check_columns(data, transform, id_column)
+    return predictions(trained, transform, data, id_column)
 
 
 def benchmark(

@@ -32,7 +32,7 @@ def main(data: Path, output: Path) -> None:
     result = hvd_cpu.fit(
         data, comm=half, lr=lr, epochs=3, output=output / f"lr-{lr:g}", quiet=half.rank != 0
     )
-    best = min(epoch["val_loss"] for epoch in result.history)
+    best = result.history["val_loss"].min()
     losses = world.gather((lr, best) if half.rank == 0 else None, root=0)
     if world.rank == 0:
         for lr, loss in sorted(filter(None, losses)):

@@ -655,7 +655,7 @@ def layout() -> list[str]:
         if label:
             folder = label[1]
         for name in re.findall(
-            r"[\w.*-]+(?:/[\w.*-]+)*\.(?:py|sh|sbatch|example|md|patch)\b", line
+            r"[\w.*-]+(?:/[\w.*-]+)*\.(?:py|ipynb|sh|sbatch|example|md|patch)\b", line
         ):
             named.append(folder + name)
     return named
@@ -670,6 +670,7 @@ def test_layout_names_the_files_there_are() -> None:
         *(REPO / "launch").iterdir(),
         *(REPO / "benchmarks").glob("*.py"),
         *(REPO / "docs").glob("*.md"),
+        *(REPO / "examples").iterdir(),
     ]
     unnamed = [
         str(path.relative_to(REPO))

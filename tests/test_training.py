@@ -183,8 +183,8 @@ def test_fit_runs_two_ranks_from_a_plain_python_process(tmp_path: Path) -> None:
         frame = make_demo_frame(4000, 6, seed=1)
         result = hvd_cpu.fit(frame, target="target", np=2, epochs=3, quiet=True,
                              output={str(tmp_path / "api")!r})
-        print("worlds", [h["world_size"] for h in result.history])
-        print("losses", [round(h["train_loss"], 4) for h in result.history])
+        print("worlds", result.history["world_size"].tolist())
+        print("losses", result.history["train_loss"].round(4).tolist())
         print("features", result.model.linear_1.in_features)
         try:
             hvd_cpu.fit(frame, target="price", np=2, output={str(tmp_path / "bad")!r})

@@ -1,5 +1,7 @@
-"""Import the user's own code named on the command line: `package.module:NAME` or
-`path/to/file.py:NAME` (a model class or factory for --model, a loss for --loss)."""
+"""The user's own code: named on the command line (`package.module:NAME` or
+`path/to/file.py:NAME`, a model class or factory for --model, a loss for --loss), or passed to
+`fit()` as the object itself, shipped to the ranks by value (cloudpickle, as Horovod's own
+`horovod.run` ships functions) and found there under its name."""
 
 from __future__ import annotations
 
@@ -12,14 +14,27 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import cloudpickle
+
 from hvd_cpu.errors import InputError
+
+# The user's objects shipped to this rank by value, by the name they are asked for with.
+_received: dict[str, Any] = {}
 
 
 def import_object(spec: str, option: str) -> Any:
     """The object `spec` names; every way that can fail is one line naming `option`."""
+    if spec in _received:
+        return _received[spec]
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise InputError(f"{option} {spec!r} is not MODULE:NAME or FILE.py:NAME")
+    if where == "__main__":
+        raise InputError(
+            f"{option} {spec!r} was defined in a notebook or script, which cannot be imported "
+            f"here: from Python pass the object itself ({option.strip('-')}={name}), or move it "
+            f"into a file and name it FILE.py:{name}"
+        )
     if where.endswith(".py") and not Path(where).is_file():
         raise InputError(f"{option} file not found: {where}; check the path on every host")
     # What the module prints while it imports is held back: when the import fails, each rank
@@ -57,7 +72,52 @@ def _import(where: str) -> ModuleType:
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_spec.name] = module
     module_spec.loader.exec_module(module)
+    # Its classes travel by value: the model a rank hands back to fit() unpickles in a process
+    # that never imported this file under this name.
+    cloudpickle.register_pickle_by_value(module)
     return module
+
+
+def label_of(obj: Any, option: str) -> str:
+    """The name the user's object is asked for by (MODULE:QUALNAME, as a spec reads), which
+    the model file records (`__main__:Network` for a class defined in a notebook)."""
+    if not callable(obj):
+        raise InputError(
+            f"{option}= takes a class, a function or a 'MODULE:NAME' string, got a "
+            f"{type(obj).__name__}"
+        )
+    name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    return f"{getattr(obj, '__module__', None) or '__main__'}:{name}"
+
+
+def provide(label: str, obj: Any) -> None:
+    """From now on this process finds `obj` under `label` (what fit() or predict() was given)."""
+    _received[label] = obj
+
+
+def ship(obj: Any, option: str) -> bytes:
+    """`obj`'s bytes for the ranks; what cannot be pickled (an open file, a lock it closes
+    over) is one line."""
+    try:
+        return cloudpickle.dumps(obj)
+    except Exception as exc:  # whatever the user's object holds
+        raise InputError(
+            f"{option}={label_of(obj, option).rpartition(':')[2]} cannot be sent to the ranks: "
+            f"{type(exc).__name__}: {exc}; create what it holds (files, locks, connections) "
+            "inside it, not around it"
+        ) from exc
+
+
+def receive(shipped: dict[str, bytes]) -> None:
+    """On a rank: unpickle the user's shipped objects, found from now on by their names."""
+    for label, payload in shipped.items():
+        try:
+            provide(label, cloudpickle.loads(payload))
+        except Exception as exc:  # e.g. a module it needs is missing on this host
+            raise InputError(
+                f"{label.rpartition(':')[2]} cannot be rebuilt on this rank: "
+                f"{type(exc).__name__}: {exc}; what it needs must import on every host"
+            ) from exc
 
 
 def portable_spec(spec: str) -> str:

@@ -1,5 +1,7 @@
 """What rank 0 writes and prints: records.py (metrics.jsonl, ranks.json, features.json,
 config.toml), console.py (lines and the progress bar), summary.py (the closing table and its
 advice), tracking.py (TensorBoard, MLflow: a new tracker is one Tracker class there, listed
-in asked_for), model_files.py (checkpoint.pt, model.pt), plot.py (loss.png). Each file is
-written whole or not at all (hvd_cpu/atomic.py, shared with every room that writes)."""
+in asked_for), model_files.py (checkpoint.pt, model.pt), plot.py (loss.png); notebook.py is
+the bar over the epochs that fit() shows in a notebook, read from rank 0's metrics.jsonl.
+Each file is written whole or not at all (hvd_cpu/atomic.py, shared with every room that
+writes)."""

@@ -19,6 +19,7 @@ from hvd_cpu.output.tracking import Tracking
 from hvd_cpu.training.state import EpochMetrics, LoopState
 
 FEATURES = "features.json"
+METRICS = "metrics.jsonl"
 
 
 class Records:
@@ -29,7 +30,7 @@ class Records:
         self.output = config.output
         self.world_size = world_size
         self.controller = controller
-        self.metrics_path = self.output / "metrics.jsonl"
+        self.metrics_path = self.output / METRICS
         self.show_progress = (
             config.progress if config.progress is not None else sys.stdout.isatty()
         ) and not config.quiet

@@ -5,5 +5,6 @@ horovod.py holds every direct Horovod call (init, the World, launching from Pyth
 collectives and DistributedOptimizer, elastic mode). collectives.py is the one interface of
 what ranks exchange; each backend is a subclass (Horovod's in horovod.py, MPI's in mpi.py, the
 job of one in collectives.py): a new backend is one new subclass, chosen in horovod.init.
-cores.py gives each rank its share of cores; lifecycle.py signals, exit codes, parent death.
+cores.py gives each rank its share of cores; lifecycle.py signals, exit codes, parent death;
+driver.py runs Horovod's launcher for fit() in a child process (the caller keeps its Ctrl-C).
 """

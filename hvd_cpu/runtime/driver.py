@@ -1,0 +1,131 @@
+"""Launching a job from a Python process (fit()): Horovod's launcher, the driver, runs in a
+child process of its own, never in the caller's.
+
+Horovod's launcher takes over the calling process's SIGINT and SIGTERM handlers for good and
+turns an interrupt into a worker failure; in a Jupyter kernel that would break every later
+interrupt. In a child, the caller keeps its handlers: its KeyboardInterrupt stops the driver,
+which stops every rank (checkpoints stay as written), and is raised again. The ranks' output
+comes back through the caller's own sys.stdout and sys.stderr (a notebook cell, not the
+terminal that started Jupyter).
+
+    run(func, args, ...)                      in the caller
+    python -m hvd_cpu.runtime.driver JOB OUT  the child: horovod.launch, the outcome to OUT
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import psutil
+
+from hvd_cpu.errors import InputError, RunFailed
+
+# Seconds the driver gets to stop its ranks after an interrupt before they are killed.
+STOP_SECONDS = 15
+# How often the caller's `watch` runs while the job does.
+POLL_SECONDS = 0.5
+
+
+def run(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    np: int,
+    hosts: str | None,
+    controller: str,
+    watch: Callable[[], None] = lambda: None,
+) -> list[Any]:
+    """`func(*args)` on `np` new ranks (horovod.launch, in a child process); every rank's
+    result in rank order. Bad input raises InputError with the ranks' message, a failed
+    rank RunFailed, an interrupt KeyboardInterrupt once every rank is gone."""
+    with tempfile.TemporaryDirectory(prefix="hvd-cpu-driver-") as folder:
+        job, outcome = Path(folder) / "job.pkl", Path(folder) / "outcome.pkl"
+        job.write_bytes(cloudpickle.dumps((func, args, np, hosts, controller)))
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hvd_cpu.runtime.driver", str(job), str(outcome)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,  # a terminal's Ctrl-C reaches the caller only
+        )
+        try:
+            _relay(process, watch)
+        except BaseException:  # KeyboardInterrupt above all: no rank outlives the caller
+            _stop(process)
+            raise
+        if not outcome.exists():
+            raise RunFailed(f"the launcher ended with exit code {process.returncode}; see above")
+        kind, value = cloudpickle.loads(outcome.read_bytes())
+    if kind == "error":
+        raise value
+    if kind == "failed":
+        raise RunFailed(value)
+    return value
+
+
+def _relay(process: subprocess.Popen[bytes], watch: Callable[[], None]) -> None:
+    """Copy the child's output to this process's streams as it comes, until it ends."""
+    streams = {process.stdout: sys.stdout, process.stderr: sys.stderr}
+    with selectors.DefaultSelector() as selector:
+        for pipe in streams:
+            selector.register(pipe, selectors.EVENT_READ)
+        while selector.get_map():
+            for key, _ in selector.select(POLL_SECONDS):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    continue
+                stream = streams[key.fileobj]
+                stream.write(chunk.decode(errors="replace"))
+                stream.flush()
+            watch()
+    process.wait()
+    watch()
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """Stop the driver as horovodrun is stopped (SIGINT: it ends its ranks), then kill what
+    is still there."""
+    try:
+        family = psutil.Process(process.pid).children(recursive=True)
+    except psutil.Error:
+        family = []
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    _, alive = psutil.wait_procs(family, timeout=STOP_SECONDS)
+    for survivor in alive:
+        survivor.kill()
+
+
+def main(job: str, outcome: str) -> None:
+    """The child: launch the job, write ("result", results), ("error", InputError) or
+    ("failed", what failed) to `outcome`."""
+    from hvd_cpu.runtime import horovod
+
+    func, args, np, hosts, controller = cloudpickle.loads(Path(job).read_bytes())
+    try:
+        result: tuple[str, Any] = ("result", horovod.launch(func, args, np, hosts, controller))
+    except InputError as exc:
+        result = ("error", exc)
+    except Exception as exc:  # Horovod's WorkerFailed, a launcher that could not start
+        code = getattr(exc, "exit_code", None)
+        said = f"a rank failed (exit code {code})" if code is not None else f"{exc}".strip()
+        result = ("failed", f"the job ended: {said or type(exc).__name__}; its output is above")
+    Path(outcome).write_bytes(cloudpickle.dumps(result))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
