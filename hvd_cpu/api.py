@@ -27,6 +27,7 @@ from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.data.frames import write_frame
 from hvd_cpu.errors import InputError
 from hvd_cpu.model import user_code
+from hvd_cpu.model.networks import load_model_factory
 from hvd_cpu.output.notebook import EpochBar, in_notebook
 from hvd_cpu.output.records import METRICS
 from hvd_cpu.runtime import driver
@@ -75,10 +76,11 @@ def fit(
 ) -> FitResult:
     """Train on `data` (a DataFrame, or a path to a frame file) with `np` CPU processes.
 
-    `model` is your own torch.nn.Module class or a function returning one, defined anywhere,
-    a notebook cell included (or "module:Name", "file.py:Name"); `model_args=` gives it more
-    arguments. `loss` is your fn(output, target), or a name ("mse", "huber", ...). Objects
-    reach the ranks by value (cloudpickle).
+    `model` is your own torch.nn.Module class or a function returning one, defined in the
+    notebook or script itself or imported from an installed module (or "module:Name",
+    "file.py:Name"); `model_args=` gives it more arguments. `loss` is your fn(output, target),
+    or a name ("mse", "huber", ...). Objects defined in the notebook or script reach the
+    ranks by value (cloudpickle), imported ones by their module's name.
     `options` are the other fields of TrainConfig (the long option names of `hvd-cpu train`
     with underscores: epochs=20, batch_size=256, val_fraction=0.2, output="runs/x", ...).
     `hosts` is horovodrun's -H ("host1:2,host2:2"); by default all ranks run here.
@@ -96,10 +98,15 @@ def fit(
         )
     if comm is None and np < 1:
         raise InputError(f"np must be at least 1, got {np}")
-    code = {}  # the user's objects, by the name the config records them under
+    code: dict[str, tuple[str, Any]] = {}  # the user's objects, by the name the config records
     for option, value in (("model", model), ("loss", loss)):
         if value is not None and not isinstance(value, str):
             label = user_code.label_of(value, option)
+            if label in code:  # two lambdas, say
+                raise InputError(
+                    f"model= and loss= are both named {label.rpartition(':')[2]}; "
+                    "define one of them with def (or class) and a name of its own"
+                )
             code[label] = (option, value)
             value = label
         options[option] = value
@@ -117,15 +124,16 @@ def fit(
             config, data=path, output=Path(config.output).absolute(), tensorboard=board
         )
         if comm is not None:
-            for label, (_, obj) in code.items():
-                user_code.provide(label, obj)
-            return _fit_result(train(config, comm=comm), config.output)
-        shipped = {label: user_code.ship(obj, option) for label, (option, obj) in code.items()}
+            with user_code.provided({label: obj for label, (_, obj) in code.items()}):
+                return _fit_result(train(config, comm=comm), config.output)
+        if config.model and config.model not in code:
+            # The trained model's class comes back by reference to its module: import it here
+            # too (a FILE.py is no module this process has), which also checks it before launch.
+            load_model_factory(config.model)
+        shipped = {label: user_code.ship(obj, label, o) for label, (o, obj) in code.items()}
         bar = EpochBar(config.output / METRICS, config.epochs) if in_notebook() else None
         try:
-            results = driver.run(
-                _rank_main, (config, shipped), np, hosts, controller, watch=bar or (lambda: None)
-            )
+            results = driver.run(_rank_main, (config, shipped), np, hosts, controller, bar)
         finally:
             if bar:
                 bar.close()
@@ -145,11 +153,10 @@ def predict(
     """Predictions for `data` from a run's folder (or its model.pt), as `hvd-cpu predict`
     writes them. `model`: the class or function the run was trained with, when it was
     defined in a notebook or script (its model.pt names it `__main__:Name`)."""
-    if model is not None:
-        user_code.provide(user_code.label_of(model, "model"), model)
-    trained, transform = load_model(Path(run))
-    check_columns(data, transform, id_column)
-    return predictions(trained, transform, data, id_column)
+    code = {user_code.label_of(model, "model"): model} if model is not None else {}
+    with user_code.provided(code):
+        trained, transform = load_model(Path(run))
+    return FitResult(trained, pd.DataFrame(), transform, Path(run)).predict(data, id_column)
 
 
 def benchmark(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .jobs import demo_file, horovodrun, run, weights
+from .jobs import demo_file, horovodrun, processes_naming, run, weights
 
 NETWORK = """
     import torch
@@ -37,7 +37,7 @@ def test_fit_takes_the_scripts_own_class_and_loss_and_a_files_and_hands_both_bac
     data = demo_file(tmp_path / "frame.parquet", rows=4000, features=6)
     (tmp_path / "net.py").write_text(textwrap.dedent(NETWORK))
     script = textwrap.dedent(NETWORK) + textwrap.dedent(f"""
-        import threading, hvd_cpu, pandas as pd
+        import pickle, threading, hvd_cpu, pandas as pd
         from hvd_cpu.errors import InputError
 
         frame = pd.read_parquet({str(data)!r})
@@ -52,6 +52,8 @@ def test_fit_takes_the_scripts_own_class_and_loss_and_a_files_and_hands_both_bac
                 frame, model=type("Locked", (Network,), {{"lock": threading.Lock()}}), **options),
             "unnamed": lambda: hvd_cpu.predict("here", new),  # before model=Network is given
             "not_callable": lambda: hvd_cpu.fit(frame, model=3, **options),
+            "two_lambdas": lambda: hvd_cpu.fit(
+                frame, model=lambda n: Network(n), loss=lambda o, t: mse(o, t), **options),
         }}.items():
             try:
                 call()
@@ -59,7 +61,8 @@ def test_fit_takes_the_scripts_own_class_and_loss_and_a_files_and_hands_both_bac
                 said[name] = str(exc)
         said |= {{
             "here_is_network": isinstance(here.model, Network),
-            "there_class": type(there.model).__name__,
+            "there_class": f"{{type(there.model).__module__}}.{{type(there.model).__name__}}",
+            "saved": [len(pickle.dumps(r.model)) > 0 for r in (here, there)],
             "epochs": here.history["epoch"].tolist(),
             "same_predictions": here.predict(new).equals(
                 hvd_cpu.predict("here", new, model=Network)),
@@ -69,7 +72,8 @@ def test_fit_takes_the_scripts_own_class_and_loss_and_a_files_and_hands_both_bac
     job = run([sys.executable, "-c", "import json\n" + script], cwd=tmp_path)
     assert job.returncode == 0, job.stdout + job.stderr
     said = json.loads(job.stdout.splitlines()[-1])
-    assert said["here_is_network"] and said["there_class"] == "Network"
+    assert said["here_is_network"] and said["there_class"] == "hvd_cpu_user.net.Network"
+    assert said["saved"] == [True, True], "both models pickle again in the caller (torch.save)"
     assert said["epochs"] == [1, 2] and said["same_predictions"]
     assert said["unshippable"].startswith("model=Locked cannot be sent to the ranks: TypeError")
     assert said["unnamed"].endswith(
@@ -78,7 +82,10 @@ def test_fit_takes_the_scripts_own_class_and_loss_and_a_files_and_hands_both_bac
         "a file and name it FILE.py:Network"
     )
     assert said["not_callable"].startswith("model= takes a class, a function or a 'MODULE:NAME'")
+    assert said["two_lambdas"].startswith("model= and loss= are both named <lambda>")
     assert "Traceback" not in job.stderr
+    for marker in ("hvd_cpu.runtime.driver", "horovod.runner.run_task"):
+        assert not processes_naming(marker, grace=10), f"left running: {marker}"
 
     # Both train what the command line trains with the same class and loss from a file.
     cli = horovodrun(2, "train", "--data", str(data), "--epochs", "2", "--quiet",

@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import io
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -18,6 +20,8 @@ import cloudpickle
 
 from hvd_cpu.errors import InputError
 
+# The package FILE.py modules are imported under (as hvd_cpu_user.FILE).
+USER_PACKAGE = "hvd_cpu_user"
 # The user's objects shipped to this rank by value, by the name they are asked for with.
 _received: dict[str, Any] = {}
 
@@ -58,23 +62,35 @@ def import_object(spec: str, option: str) -> Any:
         ) from exc
     sys.stdout.write(out.getvalue())
     sys.stderr.write(err.getvalue())
-    if not hasattr(module, name):
-        raise InputError(f"{option} {spec!r}: {where} has no {name!r}")
-    return getattr(module, name)
+    try:  # a nested class's name is dotted: Outer.Inner
+        return functools.reduce(getattr, name.split("."), module)
+    except AttributeError:
+        raise InputError(f"{option} {spec!r}: {where} has no {name!r}") from None
 
 
 def _import(where: str) -> ModuleType:
     """The module `where` names: a dotted module path, or a FILE.py."""
     if not where.endswith(".py"):
         return importlib.import_module(where)
-    path = Path(where)
-    module_spec = importlib.util.spec_from_file_location(f"hvd_cpu_user.{path.stem}", path)
+    path = Path(where).resolve()
+    name, version = f"{USER_PACKAGE}.{path.stem}", path.stat().st_mtime_ns
+    # Imported once while the file is unchanged: --model and --loss from one file share its
+    # classes (a second import would make the model's class a stranger to pickle).
+    known = sys.modules.get(name)
+    if getattr(known, "__file__", None) == str(path) and known.__version_ns__ == version:
+        return known
+    # Under a package of its own, so that pickle finds its classes again (a trained model
+    # coming back to fit(), torch.save of it): pickle imports the package first.
+    sys.modules.setdefault(USER_PACKAGE, ModuleType(USER_PACKAGE))
+    module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_spec.name] = module
-    module_spec.loader.exec_module(module)
-    # Its classes travel by value: the model a rank hands back to fit() unpickles in a process
-    # that never imported this file under this name.
-    cloudpickle.register_pickle_by_value(module)
+    module.__version_ns__ = version
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:  # half a module is never found again
+        del sys.modules[name]
+        raise
     return module
 
 
@@ -90,19 +106,27 @@ def label_of(obj: Any, option: str) -> str:
     return f"{getattr(obj, '__module__', None) or '__main__'}:{name}"
 
 
-def provide(label: str, obj: Any) -> None:
-    """From now on this process finds `obj` under `label` (what fit() or predict() was given)."""
-    _received[label] = obj
+@contextlib.contextmanager
+def provided(objects: dict[str, Any]) -> Iterator[None]:
+    """While inside, this process finds each object under its label (what fit(comm=) or
+    predict() was given), and afterwards no longer: a class redefined in a later cell wins."""
+    before = dict(_received)
+    _received.update(objects)
+    try:
+        yield
+    finally:
+        _received.clear()
+        _received.update(before)
 
 
-def ship(obj: Any, option: str) -> bytes:
+def ship(obj: Any, label: str, option: str) -> bytes:
     """`obj`'s bytes for the ranks; what cannot be pickled (an open file, a lock it closes
     over) is one line."""
     try:
         return cloudpickle.dumps(obj)
     except Exception as exc:  # whatever the user's object holds
         raise InputError(
-            f"{option}={label_of(obj, option).rpartition(':')[2]} cannot be sent to the ranks: "
+            f"{option}={label.rpartition(':')[2]} cannot be sent to the ranks: "
             f"{type(exc).__name__}: {exc}; create what it holds (files, locks, connections) "
             "inside it, not around it"
         ) from exc
@@ -112,7 +136,7 @@ def receive(shipped: dict[str, bytes]) -> None:
     """On a rank: unpickle the user's shipped objects, found from now on by their names."""
     for label, payload in shipped.items():
         try:
-            provide(label, cloudpickle.loads(payload))
+            _received[label] = cloudpickle.loads(payload)
         except Exception as exc:  # e.g. a module it needs is missing on this host
             raise InputError(
                 f"{label.rpartition(':')[2]} cannot be rebuilt on this rank: "

@@ -14,12 +14,16 @@ terminal that started Jupyter).
 
 from __future__ import annotations
 
+import codecs
+import contextlib
+import math
 import os
 import selectors
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,7 @@ import cloudpickle
 import psutil
 
 from hvd_cpu.errors import InputError, RunFailed
+from hvd_cpu.runtime.lifecycle import end_with_parent
 
 # Seconds the driver gets to stop its ranks after an interrupt before they are killed.
 STOP_SECONDS = 15
@@ -41,7 +46,7 @@ def run(
     np: int,
     hosts: str | None,
     controller: str,
-    watch: Callable[[], None] = lambda: None,
+    watch: Callable[[], None] | None = None,
 ) -> list[Any]:
     """`func(*args)` on `np` new ranks (horovod.launch, in a child process); every rank's
     result in rank order. Bad input raises InputError with the ranks' message, a failed
@@ -49,19 +54,19 @@ def run(
     with tempfile.TemporaryDirectory(prefix="hvd-cpu-driver-") as folder:
         job, outcome = Path(folder) / "job.pkl", Path(folder) / "outcome.pkl"
         job.write_bytes(cloudpickle.dumps((func, args, np, hosts, controller)))
-        process = subprocess.Popen(
+        with subprocess.Popen(
             [sys.executable, "-m", "hvd_cpu.runtime.driver", str(job), str(outcome)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,  # a terminal's Ctrl-C reaches the caller only
-        )
-        try:
-            _relay(process, watch)
-        except BaseException:  # KeyboardInterrupt above all: no rank outlives the caller
-            _stop(process)
-            raise
+        ) as process:
+            try:
+                _relay(process, watch or (lambda: None))
+            except BaseException:  # KeyboardInterrupt above all: no rank outlives the caller
+                _stop(process)
+                raise
         if not outcome.exists():
             raise RunFailed(f"the launcher ended with exit code {process.returncode}; see above")
         kind, value = cloudpickle.loads(outcome.read_bytes())
@@ -72,42 +77,46 @@ def run(
     return value
 
 
-def _relay(process: subprocess.Popen[bytes], watch: Callable[[], None]) -> None:
-    """Copy the child's output to this process's streams as it comes, until it ends."""
+def _relay(
+    process: subprocess.Popen[bytes], watch: Callable[[], None], until: float = math.inf
+) -> None:
+    """Copy the child's output to this process's streams as it comes, until it ends (or the
+    monotonic clock reaches `until`)."""
     streams = {process.stdout: sys.stdout, process.stderr: sys.stderr}
+    decoders = {pipe: codecs.getincrementaldecoder("utf-8")("replace") for pipe in streams}
     with selectors.DefaultSelector() as selector:
         for pipe in streams:
             selector.register(pipe, selectors.EVENT_READ)
-        while selector.get_map():
+        while selector.get_map() and time.monotonic() < until:
             for key, _ in selector.select(POLL_SECONDS):
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     selector.unregister(key.fileobj)
-                    continue
                 stream = streams[key.fileobj]
-                stream.write(chunk.decode(errors="replace"))
+                stream.write(decoders[key.fileobj].decode(chunk, final=not chunk))
                 stream.flush()
             watch()
-    process.wait()
+    process.wait(max(until - time.monotonic(), 0) if until < math.inf else None)
     watch()
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
-    """Stop the driver as horovodrun is stopped (SIGINT: it ends its ranks), then kill what
-    is still there."""
+    """Stop the driver as horovodrun is stopped (SIGINT: it ends its ranks), showing what
+    they still say; then kill whatever is still there, the driver's ranks included."""
     try:
         family = psutil.Process(process.pid).children(recursive=True)
     except psutil.Error:
         family = []
-    process.send_signal(signal.SIGINT)
     try:
-        process.wait(STOP_SECONDS)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    _, alive = psutil.wait_procs(family, timeout=STOP_SECONDS)
-    for survivor in alive:
-        survivor.kill()
+        process.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            _relay(process, lambda: None, until=time.monotonic() + STOP_SECONDS)
+    finally:  # also after a second Ctrl-C
+        if process.poll() is None:
+            process.kill()
+        _, alive = psutil.wait_procs(family, timeout=STOP_SECONDS)
+        for survivor in alive:
+            survivor.kill()
 
 
 def main(job: str, outcome: str) -> None:
@@ -115,6 +124,7 @@ def main(job: str, outcome: str) -> None:
     ("failed", what failed) to `outcome`."""
     from hvd_cpu.runtime import horovod
 
+    end_with_parent()  # a kernel restarted or a script killed takes its job with it
     func, args, np, hosts, controller = cloudpickle.loads(Path(job).read_bytes())
     try:
         result: tuple[str, Any] = ("result", horovod.launch(func, args, np, hosts, controller))
