@@ -92,7 +92,7 @@ def train(**options: object) -> None:
     help="The rows to predict, with the training's feature columns: a file or a folder of "
     "parquet files.",
 )
-@train_options("format")
+@train_options("format", "encoding")
 @click.option(
     "--output",
     type=click.Path(path_type=Path, dir_okay=False),
@@ -125,6 +125,7 @@ def plot(output: Path) -> None:
 @train_options(
     "data",
     "format",
+    "encoding",
     "targets",
     "features",
     "drop",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from hvd_cpu.data.frames import parquet_rows, read_frame
 from hvd_cpu.errors import InputError
 from hvd_cpu.runtime.collectives import Alone
 
-from .jobs import SLOW, horovodrun, hvd_cpu, ranks, slow_except
+from .jobs import BIN, SLOW, horovodrun, hvd_cpu, ranks, run, skip_without_mpi, slow_except
 
 
 def spark_folder(path: Path, frame: pd.DataFrame, files: int, row_group_size: int) -> Path:
@@ -156,3 +157,107 @@ def test_too_few_pieces_for_the_ranks_is_one_line_from_rank_0(tmp_path: Path) ->
     errors = [(rank, text) for rank, text in done.rank_lines() if "hvd-cpu: error:" in text]
     assert len(errors) == 1 and errors[0][0] == 0, done.stderr
     assert "has 1 row group(s), fewer than the 2 ranks" in errors[0][1]
+
+
+def parts_that_disagree(path: Path, change: str) -> Path:
+    """Two part files of one dataset, the second changed as the case says."""
+    path.mkdir()
+    frame = make_demo_frame(rows=600, features=3, seed=5)
+    frame.iloc[:300].to_parquet(path / "part-0.parquet", index=False, row_group_size=100)
+    second = frame.iloc[300:].copy()
+    if change == "text":  # numbers in one file, text in the other (not even numeric text)
+        second["x1"] = "level-" + second["x1"].round(1).astype(str)
+    elif change == "missing":
+        second = second.drop(columns="x2")
+    elif change == "extra":
+        second["note"] = "late"
+    elif change == "order":
+        second = second[second.columns[::-1]]
+    elif change == "wider":  # whole numbers in one file, floats in the other
+        second["x1"] = (second["x1"] * 100).round().astype("int64")
+    elif change == "all-missing":
+        second["x2"] = None
+    second.to_parquet(path / "part-1.parquet", index=False, row_group_size=100)
+    return path
+
+
+DISAGREEING = {
+    "text": "column 'x1' holds numbers in part-0.parquet but text in part-1.parquet",
+    "missing": "column 'x2' is in part-0.parquet but not in part-1.parquet",
+    "extra": "column 'note' is in part-1.parquet but not in part-0.parquet",
+}
+
+
+@pytest.mark.parametrize("change", [*DISAGREEING, "order", "wider", "all-missing"])
+def test_files_of_a_folder_that_disagree_are_refused_and_those_that_agree_read_alike(
+    tmp_path: Path, change: str
+) -> None:
+    folder = parts_that_disagree(tmp_path / "data", change)
+    if change in DISAGREEING:
+        with pytest.raises(InputError, match=DISAGREEING[change]):
+            parquet_rows(folder)
+        return
+    rows = parquet_rows(folder)  # read by name, numbers as float64, empty columns as missing
+    second = rows.frame(300, 600)
+    assert list(second.columns) == ["x0", "x1", "x2", "target"]
+    first = rows.frame(0, 300)
+    assert list(first.columns) == list(second.columns)
+    assert (second.dtypes == first.dtypes).all()
+    assert second.dtypes["x1"] == (np.float64 if change == "wider" else np.float32)
+    expected = pd.read_parquet(folder / "part-1.parquet")[list(second.columns)]
+    pd.testing.assert_frame_equal(second.reset_index(drop=True), expected.astype(second.dtypes))
+
+
+JOBS_THAT_READ = [(2, False, "train"), (3, True, "train"), (2, False, "predict")]
+
+
+@pytest.mark.parametrize(
+    "np_, shard_read, command", slow_except(JOBS_THAT_READ, JOBS_THAT_READ[:1])
+)
+def test_ranks_reading_files_that_disagree_stop_with_one_line(
+    tmp_path: Path, np_: int, shard_read: bool, command: str
+) -> None:
+    """Each rank reads other files of the folder (fitting on its part, or --shard-read): the
+    files are compared before anything is fitted, and no rank hangs in a collective."""
+    folder = parts_that_disagree(tmp_path / "data", "text")
+    args = ["--data", str(folder), "--output", str(tmp_path / "out")]
+    if command == "predict":
+        trained = tmp_path / "model"
+        good = spark_folder(tmp_path / "good", make_demo_frame(rows=600, features=3), 2, 100)
+        assert hvd_cpu("train", "--data", str(good), "--epochs", "1", "--quiet",
+                       "--output", str(trained)).returncode == 0  # fmt: skip
+        args = ["--model", str(trained), "--data", str(folder), "--output", str(tmp_path / "p.csv")]
+    done = horovodrun(np_, command, *args, *(["--shard-read"] if shard_read else []), timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    errors = [(rank, text) for rank, text in done.rank_lines() if "hvd-cpu: error:" in text]
+    assert len(errors) == 1 and errors[0][0] == 0, done.stderr
+    assert DISAGREEING["text"] in errors[0][1]
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_copies_that_differ_between_hosts_are_named_by_rank_and_host(tmp_path: Path) -> None:
+    """Each rank of a real MPI job reads its own copy of --data (mpirun's rank-by-rank
+    command lines stand for two hosts with different files at one path)."""
+    skip_without_mpi()
+    frame = make_demo_frame(rows=400, features=3, seed=6)
+    copies = {
+        "rows": frame.iloc[:300],
+        "order": frame[frame.columns[::-1]],
+        "kind": frame.assign(x2=np.where(frame["x2"] > 0, "high", "low")),
+    }
+    frame.to_csv(tmp_path / "ours.csv", index=False)
+    expected = {
+        "rows": "rank 1 on {host} has 300 rows where rank 0 on {host} has 400",
+        "order": "rank 1 on {host} has the columns in another order than rank 0 on {host}",
+        "kind": "rank 1 on {host} reads column 'x2' as text where rank 0 on {host} reads numbers",
+    }
+    for case, copy in copies.items():
+        copy.to_csv(tmp_path / f"{case}.csv", index=False)
+        rank = ["--allow-run-as-root", "--tag-output", "-np", "1", str(BIN / "hvd-cpu"), "train",
+                "--epochs", "1", "--output", str(tmp_path / case), "--data"]  # fmt: skip
+        done = run(["mpirun", *rank, str(tmp_path / "ours.csv"), ":", *rank[2:],
+                    str(tmp_path / f"{case}.csv")], timeout=120)  # fmt: skip
+        assert done.returncode == 2, done.stdout + done.stderr
+        errors = [(r, text) for r, text in done.rank_lines() if "hvd-cpu: error:" in text]
+        assert len(errors) == 1 and errors[0][0] == 0, done.stderr
+        assert expected[case].format(host=socket.gethostname()) in errors[0][1], errors

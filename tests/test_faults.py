@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -20,9 +21,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hvd_cpu.output.lock import HOLDER
 from hvd_cpu.output.model_files import CHECKPOINT, load
 
-from .jobs import BIN, Run, demo_file, horovodrun, processes_naming
+from .jobs import BIN, LiveJob, Run, demo_file, horovodrun, horovodrun_command, processes_naming
 
 pytestmark = pytest.mark.slow
 
@@ -233,3 +235,35 @@ def test_a_kill_during_a_checkpoint_save_leaves_the_previous_one_to_resume_from(
     saved = load(job.output / CHECKPOINT, "checkpoint")["loop"]["epoch"]
     assert saved == epochs_written(job.output) - 1  # the epoch before the one being saved
     assert resumes(job, frame) == saved
+
+
+def test_a_second_job_on_a_running_jobs_folder_is_refused_and_a_killed_one_blocks_nothing(
+    tmp_path: Path,
+) -> None:
+    """One job writes a folder at a time: a second one (--overwrite or --resume) is one line
+    naming the first while it lives; kill -9 of the first's rank 0 leaves nothing that stops
+    the next job."""
+    data = demo_file(tmp_path / "big.parquet", rows=200_000)
+    output = tmp_path / "run"
+    first = LiveJob([*horovodrun_command(2), "train", "--data", str(data), "--epochs", "50",
+                     "--output", str(output)])  # fmt: skip
+    first.wait_for(r"Epoch 1: Train Loss", timeout=120)
+    holder = json.loads((output / HOLDER).read_text())
+    assert holder["host"] == socket.gethostname() and psutil.pid_exists(holder["pid"])
+    for flag in ("--overwrite", "--resume"):
+        second = horovodrun(2, "train", "--data", str(data), "--epochs", "1", flag,
+                            "--output", str(output), timeout=120)  # fmt: skip
+        assert second.returncode == 2, second.stdout + second.stderr
+        errors = [(r, text) for r, text in second.rank_lines() if "hvd-cpu: error:" in text]
+        assert len(errors) == 1 and errors[0][0] == 0, second.stdout + second.stderr
+        assert f"is being written by another job (pid {holder['pid']} on {holder['host']}, " \
+            f"started {holder['started']})" in errors[0][1]  # fmt: skip
+    assert first.process.poll() is None, "the first job trains on"
+    os.kill(holder["pid"], signal.SIGKILL)  # rank 0: nothing of its own runs after this
+    assert first.finish(timeout=ENDS_WITHIN) != 0
+    assert (output / HOLDER).exists(), "a killed job's name stays, but not its lock"
+    after = horovodrun(2, "train", "--data", str(data), "--epochs", "1", "--overwrite",
+                       "--output", str(output), timeout=300)  # fmt: skip
+    assert after.returncode == 0, after.stdout + after.stderr
+    assert not (output / HOLDER).exists(), "a job that ended leaves no name behind"
+    assert processes_naming(output, grace=5) == []

@@ -28,6 +28,7 @@ CONFIGS = (
     TrainConfig(
         data=Path("frame.parquet"),
         format="csv",
+        encoding="latin-1",
         targets=("y1", "y2"),
         features=("a", "b"),
         drop=("id",),

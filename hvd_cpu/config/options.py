@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Literal
 
 import click
 
-from hvd_cpu.config.formats import FORMATS, extensions_text
+from hvd_cpu.config.formats import FORMATS, check_encoding, extensions_text
 from hvd_cpu.config.values import JSON_OBJECT, NAMES, SIZES, is_spec
 from hvd_cpu.errors import InputError
 
@@ -95,6 +95,10 @@ class TrainConfig:
         None,  # from the file's extension
         help="Read --data in this format whatever its extension.",
         type=click.Choice(FORMATS),
+    )
+    encoding: str | None = option(
+        None,  # UTF-8
+        help="Text encoding of a CSV --data file, e.g. latin-1 or cp1252 (default utf-8).",
     )
     targets: tuple[str, ...] = option(
         ("target",),
@@ -317,6 +321,7 @@ class TrainConfig:
                 )
         if self.lr <= 0:
             raise InputError(f"lr must be positive, got {self.lr}")
+        check_encoding(self.encoding)
         if self.threads is not None and self.threads < 1:
             raise InputError(f"threads must be at least 1, got {self.threads}")
         if not self.targets:

@@ -7,6 +7,7 @@ import csv
 import errno
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -27,7 +28,7 @@ READERS = {
     "parquet": _read_parquet,
     "pickle": pd.read_pickle,
     "feather": pd.read_feather,
-    "csv": pd.read_csv,
+    "csv": pd.read_csv,  # with the encoding (read_frame)
 }
 WRITERS = {
     "parquet": lambda frame, path: frame.to_parquet(path, index=False),
@@ -88,17 +89,23 @@ def parquet_rows(path: Path) -> Pieces:
     return pieces
 
 
-def read_frame(path: Path, fmt: str | None = None) -> pd.DataFrame:
-    """Read a whole DataFrame file or parquet folder; a missing, unreadable or empty one is
-    the user's to fix."""
+def read_frame(path: Path, fmt: str | None = None, encoding: str | None = None) -> pd.DataFrame:
+    """Read a whole DataFrame file or parquet folder (a CSV file in `encoding`, default
+    UTF-8); a missing, unreadable or empty one is the user's to fix."""
     fmt = data_format(path, fmt)
     _check_exists(path)
     if fmt == "csv":
-        _check_csv_header(path)
+        _check_csv_header(path, encoding)
     try:
-        frame = READERS[fmt](path)
+        frame = READERS[fmt](path, **({"encoding": encoding or "utf-8"} if fmt == "csv" else {}))
     except InputError:
         raise
+    except UnicodeDecodeError as exc:
+        said = f"{encoding} text either" if encoding else "UTF-8 text"
+        raise InputError(
+            f"{path} is not {said} (byte 0x{exc.object[exc.start]:02x} at {exc.start}); name "
+            "its encoding with --encoding, e.g. --encoding latin-1 or --encoding cp1252"
+        ) from exc
     except Exception as exc:  # any reader failure means the file is not what it claims
         raise _unreadable(path, fmt, exc) from exc
     if not isinstance(frame, pd.DataFrame):
@@ -111,11 +118,11 @@ def read_frame(path: Path, fmt: str | None = None) -> pd.DataFrame:
     return text_column_names(frame, path)
 
 
-def _check_csv_header(path: Path) -> None:
+def _check_csv_header(path: Path, encoding: str | None) -> None:
     """What pandas' CSV reader would hide: it reads a file separated by anything but commas
     as one wide column, and renames a repeated column name `a` to `a.1`."""
     try:
-        with path.open(encoding="utf-8-sig", newline="") as handle:
+        with path.open(encoding=encoding or "utf-8-sig", newline="") as handle:
             header = handle.readline()
     except (OSError, UnicodeDecodeError):
         return  # not text: the reader says why
@@ -139,6 +146,11 @@ class InMemory:
     def rows(self) -> int:
         return len(self.whole)
 
+    @property
+    def columns(self) -> list[tuple[str, str]]:
+        """Each column's name and kind of value, as every rank must read them."""
+        return [(str(name), value_kind(dtype)) for name, dtype in self.whole.dtypes.items()]
+
     def frame(self, start: int = 0, stop: int | None = None) -> pd.DataFrame:
         return self.whole.iloc[start:stop]
 
@@ -146,12 +158,25 @@ class InMemory:
         return row_batches(self.whole)
 
 
-def open_rows(path: Path, fmt: str | None = None) -> Pieces | InMemory:
+def value_kind(dtype: Any) -> str:
+    """What a column holds, as far as the features care (numbers of any width are one)."""
+    if pd.api.types.is_bool_dtype(dtype):
+        return "booleans"
+    if pd.api.types.is_numeric_dtype(dtype):
+        return "numbers"
+    if pd.api.types.is_datetime64_any_dtype(dtype):
+        return "timestamps"
+    if isinstance(dtype, pd.CategoricalDtype) or pd.api.types.is_object_dtype(dtype):
+        return "text"
+    return "text" if pd.api.types.is_string_dtype(dtype) else str(dtype)
+
+
+def open_rows(path: Path, fmt: str | None = None, encoding: str | None = None) -> Pieces | InMemory:
     """The rows of --data, ready to be read in parts and batches: parquet stays on disk until
     then (`Pieces`), other formats are read whole now."""
     if data_format(path, fmt) == "parquet":
         return parquet_rows(path)
-    return InMemory(read_frame(path, fmt))
+    return InMemory(read_frame(path, fmt, encoding))
 
 
 def probe_folder(folder: Path, name: str = ".hvd-cpu-write-test") -> None:

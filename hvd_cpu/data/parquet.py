@@ -67,20 +67,27 @@ class Pieces:
                     f"{path} holds no parquet files (names starting with _ or . are skipped); "
                     "point --data at a parquet file or a folder of them"
                 )
+            fragments = list(dataset.get_fragments())
+            schema = agreed_schema(dataset.schema, fragments, path)
             pieces = [
                 Piece(group, group.row_groups[0].num_rows)
-                for fragment in dataset.get_fragments()
+                for fragment in fragments
                 for group in fragment.split_by_row_group()
             ]
         except InputError:
             raise
         except Exception as exc:  # any reader failure means a file is not what it claims
             raise unreadable(path, exc) from exc
-        return cls(path, dataset.schema, [p for p in pieces if p.rows])
+        return cls(path, schema, [p for p in pieces if p.rows])
 
     @property
     def rows(self) -> int:
         return sum(piece.rows for piece in self.pieces)
+
+    @property
+    def columns(self) -> list[tuple[str, str]]:
+        """Each column's name and kind of value, as every rank must read them."""
+        return [(field.name, kind(field.type)) for field in self.schema]
 
     def shard(self, rank: int, size: int) -> Pieces:
         """This rank's contiguous run of pieces, about 1/size of the rows."""
@@ -122,6 +129,67 @@ class Pieces:
             )
         except Exception as exc:
             raise unreadable(Path(piece.fragment.path), exc) from exc
+
+
+def kind(data_type: pa.DataType) -> str:
+    """What a column holds, as far as the features care: numbers of any width are one kind."""
+    if pa.types.is_integer(data_type) or pa.types.is_floating(data_type):
+        return "numbers"
+    if pa.types.is_string(data_type) or pa.types.is_large_string(data_type):
+        return "text"
+    if pa.types.is_dictionary(data_type):
+        return kind(data_type.value_type)
+    if pa.types.is_timestamp(data_type):
+        return "timestamps"
+    return str(data_type)
+
+
+def agreed_schema(schema: pa.Schema, fragments: list[ds.Fragment], path: Path) -> pa.Schema:
+    """The schema every file of a folder is read with, once each file's own (its footer) has
+    been checked against the first's: the same columns (in any order: they are read by name),
+    each holding one kind of value (a column all missing in one file holds any). The dataset's
+    own schema is the first file's, into which pyarrow would quietly cast the others (a text
+    column read as numbers, a missing column as empty): ranks reading different files would
+    then fit different statistics. Numbers of different widths are read as float64."""
+    if len(fragments) < 2:
+        return schema
+    first, first_name = fragments[0].physical_schema, _relative(fragments[0], path)
+    widened: dict[str, pa.DataType] = {}
+    for fragment in fragments[1:]:
+        other, name = fragment.physical_schema, _relative(fragment, path)
+        for a, b, in_a, in_b in (
+            (first, other, first_name, name),
+            (other, first, name, first_name),
+        ):
+            missing = [column for column in a.names if column not in b.names]
+            if missing:
+                raise InputError(
+                    f"column {missing[0]!r} is in {in_a} but not in {in_b} ({path}); every "
+                    "file of a dataset needs the same columns: rewrite them, or read one file"
+                )
+        for field in other:
+            ours = first.field(field.name).type
+            if field.type == ours or pa.types.is_null(field.type):
+                continue
+            if pa.types.is_null(ours):
+                widened.setdefault(field.name, field.type)
+            elif kind(field.type) == kind(ours):
+                if kind(ours) == "numbers":
+                    widened[field.name] = pa.float64()
+            else:
+                raise InputError(
+                    f"column {field.name!r} holds {kind(ours)} in {first_name} but "
+                    f"{kind(field.type)} in {name} ({path}); every file of a dataset needs one "
+                    "kind of value per column: rewrite them with one type"
+                )
+    for column, data_type in widened.items():
+        schema = schema.set(schema.get_field_index(column), pa.field(column, data_type))
+    return schema
+
+
+def _relative(fragment: ds.Fragment, path: Path) -> str:
+    """A file of the dataset as the user finds it in the folder."""
+    return str(Path(fragment.path).relative_to(path)) if path.is_dir() else fragment.path
 
 
 def _return_freed_memory() -> None:

@@ -35,7 +35,7 @@ from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.runtime.collectives import Alone, Collectives
 from hvd_cpu.runtime.cores import default_threads
 from hvd_cpu.runtime.lifecycle import arrange_ending
-from hvd_cpu.runtime.mpi import MpiCollectives, checked_communicator
+from hvd_cpu.runtime.mpi import MpiCollectives, checked_communicator, finalize_mpi
 
 # How a Gloo-only build (made where no Open MPI was installed) gets MPI.
 WITH_MPI = (
@@ -132,12 +132,19 @@ def leave_together(timeout: float = 5.0) -> None:
 
     A rank that exits at once while a peer's background loop still talks to it makes that
     peer print Horovod's "Connection closed by peer" error. A normal exit avoids this through
-    Horovod's atexit shutdown, which exit_now skips. If a peer never joins, go after `timeout`.
+    Horovod's atexit shutdown, which exit_now skips. Under MPI, MPI is finalized too, so that
+    the launcher takes the exit as proper and the job's exit code is rank 0's. If a peer never
+    joins, go after `timeout`.
     """
-    if hvd.is_initialized():
-        leaving = threading.Thread(target=hvd.shutdown, name="leave-together", daemon=True)
-        leaving.start()
-        leaving.join(timeout)
+
+    def leave() -> None:
+        if hvd.is_initialized():
+            hvd.shutdown()
+        finalize_mpi()
+
+    leaving = threading.Thread(target=leave, name="leave-together", daemon=True)
+    leaving.start()
+    leaving.join(timeout)
 
 
 def build_info() -> dict[str, bool]:

@@ -4,17 +4,35 @@ CLI can set it up before anything else."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 # Environment variables through which launchers tell a process its rank before init.
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _quiet = False  # exit_quietly_on_signals has run
 _ending = False  # exit_now has begun: a signal from now on changes nothing
+_on_exit: list[Callable[[], None]] = []  # run however the process ends, but by SIGKILL
+
+
+def on_exit(undo: Callable[[], None]) -> None:
+    """Run `undo` when this process ends: normally, through exit_now (bad input, a signal, a
+    lost peer) or at interpreter exit. What a SIGKILL leaves must be harmless on its own."""
+    if not _on_exit:
+        atexit.register(_run_on_exit)
+    _on_exit.append(undo)
+
+
+def _run_on_exit() -> None:
+    while _on_exit:
+        with contextlib.suppress(Exception):
+            _on_exit.pop()()
 
 
 def launch_rank_known() -> bool:
@@ -80,6 +98,7 @@ def exit_now(code: int) -> None:
     """
     global _ending
     _ending = True
+    _run_on_exit()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -11,6 +11,7 @@ several times a small model's whole step, while MPI's shared-memory transport mo
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,16 @@ def checked_communicator(comm: Any) -> Any:
             "horovodrun --gloo"
         )
     return MPI.COMM_WORLD if comm is None else comm
+
+
+def finalize_mpi() -> None:
+    """End MPI in a rank that leaves early with the others (bad input seen by all), if mpi4py
+    started it: Open MPI counts a rank that exits without MPI_Finalize as "exiting improperly",
+    even with code 0, and mpirun then ends with 1 or with rank 0's 2, whichever exits first.
+    (Horovod finalizes the MPI it started itself in its shutdown.)"""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
 
 
 class MpiCollectives(Collectives):

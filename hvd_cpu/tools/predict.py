@@ -14,10 +14,13 @@ import pandas as pd
 import torch
 from torch import nn
 
+from hvd_cpu.config.formats import check_encoding
+from hvd_cpu.data.agreement import check_same_data
 from hvd_cpu.data.columns import check_unique_columns
 from hvd_cpu.data.features import FeatureTransform
-from hvd_cpu.data.frames import check_writable, format_of, open_rows, write_frame
+from hvd_cpu.data.frames import InMemory, check_writable, format_of, open_rows, write_frame
 from hvd_cpu.data.loader import rank_block
+from hvd_cpu.data.parquet import Pieces
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.networks import EVAL_ROWS, build_model, outputs
 from hvd_cpu.output.model_files import ModelFile
@@ -32,26 +35,40 @@ class PredictConfig:
     data: Path
     output: Path
     format: str | None = None
+    encoding: str | None = None
     id_column: str | None = None
     overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        check_encoding(self.encoding)
 
 
 def load(
     config: PredictConfig, world: horovod.World
-) -> tuple[nn.Module, FeatureTransform, pd.DataFrame]:
-    """The model, its transformation and this rank's contiguous block of the new rows, with
-    their columns checked; rank 0, which writes the output, first checks that it can. Parquet
-    is read block by block: a rank reads only the row groups its block lies in."""
+) -> tuple[nn.Module, FeatureTransform, Pieces | InMemory]:
+    """The model, its transformation and the new rows, opened (parquet is read block by
+    block later: a rank reads only the row groups its block lies in); rank 0, which writes
+    the output, first checks that it can."""
     format_of(config.output)
     if config.output.exists() and not config.overwrite:
         raise InputError(f"{config.output} exists; pass --overwrite to replace it")
     if world.is_root:
         check_writable(config.output)
     model, transform = load_model(config.model_path)
-    rows = open_rows(config.data, config.format)
+    rows = open_rows(config.data, config.format, config.encoding)
+    return model, transform, rows
+
+
+def block_of(
+    rows: Pieces | InMemory,
+    transform: FeatureTransform,
+    world: horovod.World,
+    id_column: str | None,
+) -> pd.DataFrame:
+    """This rank's contiguous block of the new rows, its columns checked."""
     block = rows.frame(*rank_block(rows.rows, world.rank, world.size))
-    check_columns(block, transform, config.id_column)
-    return model, transform, block
+    check_columns(block, transform, id_column)
+    return block
 
 
 def load_model(path: Path) -> tuple[nn.Module, FeatureTransform]:
@@ -136,7 +153,9 @@ def predict(config: PredictConfig) -> pd.DataFrame | None:
     """Predict on every rank's block of rows; rank 0 writes them all and returns them."""
     world = horovod.init()
     agreed = world.collectives.agreed
-    model, transform, block = agreed(lambda: load(config, world))
+    model, transform, rows = agreed(lambda: load(config, world))
+    check_same_data(config.data, rows, world.collectives, whole=True)
+    block = agreed(lambda: block_of(rows, transform, world, config.id_column))
     # agreed: a value that does not parse may sit in one rank's block only
     mine = agreed(lambda: predictions(model, transform, block, config.id_column))
     parts = world.collectives.gather(mine, "predictions")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hvd_cpu.config.options import DEMO_FEATURES, DEMO_ROWS, TrainConfig
+from hvd_cpu.data.agreement import check_same_data
 from hvd_cpu.data.demo import make_demo_frame
 from hvd_cpu.data.features import (
     Arrays,
@@ -29,7 +30,7 @@ from hvd_cpu.data.parquet import Pieces
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.losses import Loss, build_loss, check_loss
 from hvd_cpu.model.networks import build_model
-from hvd_cpu.output import tracking
+from hvd_cpu.output import lock, tracking
 from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
 from hvd_cpu.runtime.horovod import World
 
@@ -61,6 +62,8 @@ def check_output(config: TrainConfig, world: World) -> Checkpoint | None:
             f"cannot write to output folder {config.output}: {exc.strerror}; "
             "choose another --output"
         ) from exc
+    if not config.elastic:  # an elastic job's rank 0 may move to another process
+        lock.hold(config.output)
     path = config.output / CHECKPOINT
     if config.resume:
         state = Checkpoint.load(path)
@@ -110,7 +113,7 @@ def read_rows(config: TrainConfig, world: World) -> tuple[Pieces | InMemory, int
             )
         return parquet_rows(config.data).shard(world.rank, world.size), 0, None
     else:
-        rows = open_rows(config.data, config.format)
+        rows = open_rows(config.data, config.format, config.encoding)
     if rows.rows < world.size:
         raise InputError(
             f"the data has {rows.rows} row(s), fewer than the {world.size} ranks; "
@@ -127,6 +130,7 @@ def encode(
     dropped before, so the frame and the matrices are not in memory together (for parquet)."""
     agreed = world.collectives.agreed
     rows, start, stop = agreed(lambda: read_rows(config, world))
+    check_same_data(config.data, rows, world.collectives, whole=not config.shard_read)
     if fitted is not None:
         transform = FeatureTransform.from_dict(fitted)
     else:

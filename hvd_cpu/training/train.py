@@ -11,6 +11,7 @@ from torch import nn
 
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
+from hvd_cpu.output import lock
 from hvd_cpu.runtime import horovod
 from hvd_cpu.training import elastic
 from hvd_cpu.training.job import Job
@@ -33,16 +34,19 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
     if config.elastic:
         elastic.check_launched()
     world = horovod.init(config.threads, comm, config.horovod_steps)
-    prepared = prepare(config, world)
-    trainer = build_trainer(config, world, prepared, prepared.model)
-    job = Job(config, prepared, trainer)
     try:
-        if config.elastic:
-            elastic.ElasticJob(job).run()
-        else:
-            job.start(world, prepared.resumed)
-            job.run(world)
-    except BaseException:
-        job.close(failed=True)
-        raise
+        prepared = prepare(config, world)  # rank 0 takes the output folder here
+        trainer = build_trainer(config, world, prepared, prepared.model)
+        job = Job(config, prepared, trainer)
+        try:
+            if config.elastic:
+                elastic.ElasticJob(job).run()
+            else:
+                job.start(world, prepared.resumed)
+                job.run(world)
+        except BaseException:
+            job.close(failed=True)
+            raise
+    finally:
+        lock.release(config.output)  # a Python caller's process goes on after the job
     return TrainResult(trainer.model, prepared.transform, trainer.state.history)

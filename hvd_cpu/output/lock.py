@@ -1,0 +1,74 @@
+"""One job writes an output folder at a time.
+
+Rank 0 holds an exclusive lock (flock) on the folder itself while its job runs. The kernel
+drops it when the process ends, however it ends (kill -9 included), so a lock never outlives
+its job and never blocks the next one. Beside it, OUTPUT/.hvd-cpu-job.json names the holder
+(host, pid, start) for the line that refuses a second job; it goes when the job ends, and one
+left by a killed job is only a name: the lock decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from hvd_cpu.atomic import atomic_write
+from hvd_cpu.errors import InputError
+from hvd_cpu.runtime.lifecycle import on_exit
+
+HOLDER = ".hvd-cpu-job.json"
+_held: dict[Path, int] = {}  # the folders this process holds, with the descriptor locked
+_made: dict[Path, list[Path]] = {}  # and the folders it made for them
+
+
+def hold(output: Path) -> None:
+    """Take `output` for this job (made if missing), or refuse with one line naming the job
+    that has it; --overwrite and --resume take a folder from a finished job, not a running one."""
+    output = output.absolute()
+    if output in _held:
+        return
+    made = [parent for parent in (output, *output.parents) if not parent.exists()]
+    output.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(output, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise InputError(
+            f"{output} is being written by another job ({_holder(output)}); wait for it to "
+            "end, or choose another --output (--overwrite does not take a running job's folder)"
+        ) from None
+    _held[output] = descriptor
+    _made[output] = made
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
+    text = (json.dumps(holder) + "\n").encode()
+    atomic_write(output / HOLDER, lambda file: file.write(text))
+    on_exit(lambda: release(output))
+
+
+def _holder(output: Path) -> str:
+    try:
+        holder = json.loads((output / HOLDER).read_text())
+        return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a job that is starting"
+
+
+def release(output: Path) -> None:
+    """The job is over (or ending): its name goes, then folders made only for it that stayed
+    empty, then the lock. Nothing if this process does not hold `output`."""
+    output = output.absolute()
+    if output not in _held:
+        return
+    with contextlib.suppress(OSError):
+        (output / HOLDER).unlink()
+    for folder in _made.pop(output):  # the deepest first
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+    os.close(_held.pop(output))
