@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hvd_cpu.data.demo import make_demo_frame
+
 from .jobs import BIN, REPO, horovodrun
 from .slurm import SlurmCluster, missing_tools
 
@@ -190,14 +192,20 @@ def test_allocation_smaller_than_asked_ends_with_one_line(
 
 
 def test_bad_input_in_a_job_ends_it_with_status_2(cluster: SlurmCluster, tmp_path: Path) -> None:
-    """A missing --data file: every rank sees it, rank 0 says so once, the job ends with 2."""
+    """A missing --data file, then a frame without its target (found after MPI started, so
+    the ranks must leave MPI properly for the job's status to be rank 0's 2, every time):
+    every rank sees it, rank 0 says so once, the job ends with 2."""
     missing = tmp_path / "nowhere.parquet"
-    job = sbatch(cluster, tmp_path, "--data", str(missing), "--output", str(tmp_path / "out"))
-    assert job.returncode == 2, job.output
-    lines = job.output.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("hvd-cpu: error: "), job.output
-    assert str(missing) in lines[0]
-    assert_nothing_left(cluster, job, missing)
+    no_target = tmp_path / "no-target.parquet"
+    make_demo_frame(rows=256, features=3).drop(columns="target").to_parquet(no_target)
+    cases = [(missing, str(missing)), (no_target, "target column 'target' not in the data")]
+    for data, said in [*cases, cases[1]]:
+        job = sbatch(cluster, tmp_path, "--data", str(data), "--output", str(tmp_path / "out"))
+        assert job.returncode == 2, job.output
+        lines = job.output.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("hvd-cpu: error: "), job.output
+        assert said in lines[0]
+        assert_nothing_left(cluster, job, data)
 
 
 def test_the_script_outside_slurm_says_how_to_submit() -> None:
