@@ -106,3 +106,20 @@ def validation_loss(model: nn.Module, val: pd.DataFrame) -> float:
 
 def write_epochs(path: Path, epochs: list[dict]) -> None:
     path.write_text("".join(json.dumps(e) + "\n" for e in epochs))
+
+
+def training_throughput(
+    launcher: list[str], frame: Path, output: Path, *options: str, env: dict | None = None
+) -> float:
+    """`LAUNCHER hvd-cpu train` on `frame` for 4 epochs: samples per training second of every
+    epoch but the first (warm-up)."""
+    import os
+    import subprocess
+    import sys
+
+    hvd_cpu = str(Path(sys.executable).parent / "hvd-cpu")
+    command = [*launcher, hvd_cpu, "train", "--data", str(frame), "--epochs", "4",
+               "--output", str(output), "--overwrite", "--quiet", *options]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, **(env or {})})
+    epochs = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    return sum(e["samples"] for e in epochs[1:]) / sum(e["seconds"] for e in epochs[1:])

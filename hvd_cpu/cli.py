@@ -21,6 +21,7 @@ from hvd_cpu.config.options import SEED_MAX
 from hvd_cpu.config.values import NAMES, SIZES
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.runtime.lifecycle import (
+    ending,
     exit_now,
     exit_quietly_on_signals,
     launch_rank,
@@ -304,14 +305,17 @@ def main() -> None:
         message = f"hvd-cpu: error: {' '.join(str(exc).split())}"
         _fail(lambda: click.echo(message, err=True), exc.exit_code, together=True)
     except Exception as exc:
-        from hvd_cpu.runtime import horovod
+        from hvd_cpu.runtime import horovod, watchdog
 
         if not isinstance(exc, horovod.PeerLost):
             raise
+        watchdog.explain_lost()  # a peer that fell silent first is named (and ends here)
         # Every surviving rank sees this, so each says it once, in one line, with its rank.
         reason = " ".join(str(exc).split())
         if reason.startswith("Horovod has been shut down"):  # generic: says only "see above"
             reason = "killed, crashed, or its host went away"
+        if ending():  # stopped by a signal meanwhile: that line is out, its code chosen
+            exit_now(1)
         click.echo(
             f"hvd-cpu: rank {launch_rank()}: lost another rank of the job ({reason}); run the "
             "same command with --resume to go on from the last checkpoint, or train with "

@@ -199,6 +199,8 @@ class Hosts:
         """What a test run killed before its clean-up may have left."""
         for host in self.hosts:
             subprocess.run(["ip", "netns", "del", host.name], capture_output=True)
+            # A process left in it keeps its end of the link: the link outlives the namespace.
+            subprocess.run(["ip", "link", "del", f"veth-{host.name}"], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / host.name, ignore_errors=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
         self.forget_host_keys()  # horovodrun's ssh records host keys; ours change every run

@@ -110,10 +110,14 @@ def horovodrun_command(
 
 def mpirun(np: int, *args: str, timeout: float = 300) -> Run:
     """`mpirun -np NP hvd-cpu ARGS`, as a cluster user would start it (as root here)."""
+    return run([*mpirun_command(np), str(BIN / "hvd-cpu"), *args], timeout=timeout)
+
+
+def mpirun_command(np: int) -> list[str]:
+    """The command line of `mpirun(...)`, up to the program."""
     skip_without_mpi()
     command = ["mpirun", "--allow-run-as-root", "--tag-output", "-np", str(np)]
-    command += ["--oversubscribe", "-mca", "pml", "ob1", "-mca", "btl", "^openib"]
-    return run([*command, str(BIN / "hvd-cpu"), *args], timeout=timeout)
+    return [*command, "--oversubscribe", "-mca", "pml", "ob1", "-mca", "btl", "^openib"]
 
 
 def demo_file(path: Path, rows: int, features: int = 8) -> Path:

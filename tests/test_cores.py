@@ -1,8 +1,9 @@
 """Cores and torch threads per rank, checked without Horovod: cgroup quotas in both forms,
-CPU affinity, and SLURM's per-task CPUs."""
+CPU affinity, SLURM's per-task CPUs, and whether a waiting MPI rank yields its core."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hvd_cpu.runtime import cores
+from hvd_cpu.runtime.mpi import YIELD_WHEN_IDLE, yield_when_oversubscribed
 
 
 def write(root: Path, files: dict[str, str]) -> Path:
@@ -88,3 +90,25 @@ def test_doctor_and_cores_load_neither_horovod_nor_torch() -> None:
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("ranks_here", "already", "want"),
+    [("more", None, "1"), ("as many", None, None), ("more", "0", "0"), (None, None, None)],
+    ids=["more ranks than cores", "one rank per core", "the user's own choice", "not Open MPI"],
+)
+def test_mpi_ranks_yield_only_when_they_outnumber_the_cores(
+    monkeypatch: pytest.MonkeyPatch, ranks_here: str | None, already: str | None, want: str | None
+) -> None:
+    """Before MPI starts: Open MPI busy-polls unless told the host is oversubscribed
+    (benchmarks/oversubscribed.py measures the difference)."""
+    here = cores.usable_cores()
+    sizes = {"more": str(here + 1), "as many": str(here), None: None}
+    for name, value in (("OMPI_COMM_WORLD_LOCAL_SIZE", sizes[ranks_here]),
+                        (YIELD_WHEN_IDLE, already)):  # fmt: skip
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    yield_when_oversubscribed()
+    assert os.environ.get(YIELD_WHEN_IDLE) == want

@@ -103,24 +103,32 @@ def test_without_failures_elastic_trains_exactly_like_a_plain_job(tmp_path: Path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("killed_rank", ["beside rank 0", "rank 0"])
-def test_a_killed_rank_is_replaced_and_training_goes_on(
-    killed_rank: str, frame: Path, uninterrupted: list[dict], tmp_path: Path
+@pytest.mark.parametrize(
+    ("fault", "victim_rank"),
+    [("kill", "beside rank 0"), ("kill", "rank 0"), ("stop", "beside rank 0")],
+    ids=["kill beside rank 0", "kill rank 0", "stop beside rank 0"],
+)
+def test_a_lost_or_stalled_rank_is_replaced_and_training_goes_on(
+    fault: str, victim_rank: str, frame: Path, uninterrupted: list[dict], tmp_path: Path
 ) -> None:
+    """A rank killed, or stopped (SIGSTOP: alive, connections open, silent): after
+    --stall-seconds a live rank kills the stopped one, and it is lost like the killed one."""
     output = tmp_path / "out"
     # A fixed cool-down: the range's top (15 s) plus starting the new ranks could outlast the
     # training left at 2 ranks, and the job end before the host is back (seen once in CI).
     job = elastic("--data", str(frame), "--epochs", str(EPOCHS), "--output", str(output),
-                  NP="4", COOLDOWN="5 5")  # fmt: skip
+                  "--stall-seconds", "6", NP="4", COOLDOWN="5 5")  # fmt: skip
     job.wait_for(r"Epoch 2:", 120)
     running = ranks_of(output)
     root_host = next(env["HOROVOD_HOSTNAME"] for _, env in running if env["HOROVOD_RANK"] == "0")
-    if killed_rank == "rank 0":  # another rank becomes rank 0 and takes over the records
+    if victim_rank == "rank 0":  # another rank becomes rank 0 and takes over the records
         victim = next(pid for pid, env in running if env["HOROVOD_RANK"] == "0")
     else:
         victim = next(pid for pid, env in running if env["HOROVOD_HOSTNAME"] != root_host)
     killed = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    if fault == "stop":
+        job.wait_for(rf"\(pid {victim}\) has not answered for 6 s .*; dropped as a lost rank", 30)
     # This host runs under two names (launch/discover-hosts.sh): the victim's name is out for
     # a cool-down, with the rank beside it; then both are started again.
     went_on = job.wait_for(r"hvd-cpu: 4 -> [23] ranks; going on from the last commit", 60)

@@ -1,8 +1,8 @@
 """Faults of a running `horovodrun --gloo` job: a rank killed, Ctrl-C, SIGTERM, a kill in the
-middle of a checkpoint save. Each ends the job within seconds with a non-zero exit, one line
-saying what happened, no traceback and no process left behind (docs/hosts.md, "When a rank or
-a host dies"), and the checkpoint it leaves continues with --resume (docs/usage.md, "Validation,
-early stopping, checkpoints")."""
+middle of a checkpoint save; and a rank stopped (SIGSTOP) under each launcher. Each ends the
+job within seconds with a non-zero exit, one line saying what happened, no traceback and no
+process left behind (docs/hosts.md, "When a rank or a host dies"), and the checkpoint it
+leaves continues with --resume (docs/usage.md, "Validation, early stopping, checkpoints")."""
 
 from __future__ import annotations
 
@@ -24,7 +24,18 @@ import pytest
 from hvd_cpu.output.lock import HOLDER
 from hvd_cpu.output.model_files import CHECKPOINT, load
 
-from .jobs import BIN, LiveJob, Run, demo_file, horovodrun, horovodrun_command, processes_naming
+from .jobs import (
+    BIN,
+    LiveJob,
+    Run,
+    demo_file,
+    horovodrun,
+    horovodrun_command,
+    metrics,
+    mpirun_command,
+    processes_naming,
+    run,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +71,7 @@ class Job:
     extra: tuple[str, ...]
     process: subprocess.Popen
     log: Path
+    launcher: str
 
     def wait_for(self, ready: Callable[[Path], bool], what: str, poll: float = 0.05) -> None:
         """Until `ready(output folder)`, while the job runs."""
@@ -74,7 +86,9 @@ class Job:
         for child in psutil.Process(self.process.pid).children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
                 python = "python" in Path(child.exe()).name
-                if python and child.environ().get("HOROVOD_RANK") == str(rank):
+                environ = child.environ()
+                launched = environ.get("HOROVOD_RANK", environ.get("OMPI_COMM_WORLD_RANK"))
+                if python and launched == str(rank):
                     return child
         raise AssertionError(f"no process of rank {rank} under horovodrun")
 
@@ -82,21 +96,30 @@ class Job:
         return self.log.read_text()
 
 
+# The command lines a job is started with, up to hvd-cpu's arguments.
+LAUNCHERS: dict[str, Callable[[int], list[str]]] = {
+    "horovodrun --gloo": lambda np: horovodrun_command(np, "gloo"),
+    "horovodrun --mpi": lambda np: horovodrun_command(np, "mpi"),
+    "mpirun": lambda np: [*mpirun_command(np), str(BIN / "hvd-cpu")],
+}
+
+
 @pytest.fixture
 def start(tmp_path: Path) -> Iterator[Callable[..., Job]]:
     """Starts jobs; any process of theirs still running at the end of the test is killed."""
     jobs: list[Job] = []
 
-    def launch(np: int, frame: Path, output: Path, *extra: str) -> Job:
+    def launch(
+        np: int, frame: Path, output: Path, *extra: str, launcher: str = "horovodrun --gloo"
+    ) -> Job:
         log = tmp_path / f"{output.name}.log"
-        command = [str(BIN / "horovodrun"), "--gloo", "-np", str(np), "--disable-cache",
-                   str(BIN / "hvd-cpu"), *train_args(frame, output, 1000, *extra)]  # fmt: skip
+        command = [*LAUNCHERS[launcher](np), *train_args(frame, output, 1000, *extra)]
         env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
         with log.open("w") as handle:
             process = subprocess.Popen(
                 command, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
             )
-        jobs.append(Job(np, output, extra, process, log))
+        jobs.append(Job(np, output, extra, process, log, launcher))
         return jobs[-1]
 
     yield launch
@@ -151,7 +174,7 @@ def resumes(job: Job, frame: Path) -> int:
     saved = load(job.output / CHECKPOINT, "checkpoint")["loop"]["epoch"]
     assert saved >= 1
     args = train_args(frame, job.output, saved + 2, *job.extra)
-    resumed = horovodrun(job.np, *args, "--resume")
+    resumed = run([*LAUNCHERS[job.launcher](job.np), *args, "--resume"])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     epochs = [text.split(":")[0] for _, text in resumed.rank_lines(0) if text.startswith("Epoch")]
     assert epochs == [f"Epoch {saved + 1}", f"Epoch {saved + 2}"]
@@ -181,6 +204,8 @@ class Fault:
     says: dict[int, str | tuple[str, ...]]  # rank: the start of the one line it prints
     killed: int | None = None  # the rank killed, if any
     may_stay_quiet: frozenset[int] = frozenset()
+    code: int | None = None  # the job's exit code, where it is fixed (docs/usage.md's table)
+    launcher: str = "horovodrun --gloo"
 
 
 # horovodrun stops its ranks with SIGTERM on Ctrl-C as on SIGTERM.
@@ -196,8 +221,11 @@ FAULTS = {
         killed=2,
         may_stay_quiet=frozenset({1, 3}),
     ),
-    "Ctrl-C": Fault(2, ctrl_c, STOPPED),
-    "SIGTERM to horovodrun": Fault(2, sigterm, STOPPED),
+    "Ctrl-C": Fault(2, ctrl_c, STOPPED, code=130),
+    "SIGTERM to horovodrun": Fault(2, sigterm, STOPPED, code=143),
+    # horovodrun --mpi runs mpirun and exits as the signal says; plain mpirun exits 1.
+    "Ctrl-C, horovodrun --mpi": Fault(2, ctrl_c, STOPPED, code=130, launcher="horovodrun --mpi"),
+    "Ctrl-C, mpirun": Fault(2, ctrl_c, STOPPED, code=1, launcher="mpirun"),
 }
 
 
@@ -205,11 +233,13 @@ FAULTS = {
 def test_a_fault_mid_training_ends_the_job_in_one_line_and_it_resumes(
     fault: Fault, frame: Path, tmp_path: Path, start: Callable[..., Job]
 ) -> None:
-    job = start(fault.np, frame, tmp_path / "run")
+    job = start(fault.np, frame, tmp_path / "run", launcher=fault.launcher)
     job.wait_for(lambda output: epochs_written(output) >= 2, "two epochs")
     fault_at = time.monotonic()
     fault.strike(job)
     ended_as_said(job, fault_at, fault.says, fault.killed, fault.may_stay_quiet)
+    if fault.code is not None:
+        assert job.process.returncode == fault.code, job.printed()
     resumes(job, frame)
 
 
@@ -267,3 +297,76 @@ def test_a_second_job_on_a_running_jobs_folder_is_refused_and_a_killed_one_block
     assert after.returncode == 0, after.stdout + after.stderr
     assert not (output / HOLDER).exists(), "a job that ended leaves no name behind"
     assert processes_naming(output, grace=5) == []
+
+
+@dataclass(frozen=True)
+class Stall:
+    launcher: str
+    np: int
+    stopped: int  # the rank stopped
+    reporter: int  # the rank that names it
+    allreduce: str = "horovod"
+
+
+STALL_SECONDS = 6
+STALLS = {
+    "gloo, rank 1 of 2": Stall("horovodrun --gloo", 2, stopped=1, reporter=0),
+    "gloo, rank 0 of 4": Stall("horovodrun --gloo", 4, stopped=0, reporter=1),
+    "mpi horovod, rank 1 of 2": Stall("horovodrun --mpi", 2, stopped=1, reporter=0),
+    "mpi direct, rank 2 of 4": Stall("horovodrun --mpi", 4, 2, 0, "direct"),
+    "mpirun direct, rank 0 of 2": Stall("mpirun", 2, 0, 1, "direct"),
+}
+
+
+@pytest.mark.parametrize("stall", STALLS.values(), ids=STALLS.keys())
+def test_a_stopped_rank_ends_the_job_naming_it_within_the_bound(
+    stall: Stall, frame: Path, tmp_path: Path, start: Callable[..., Job]
+) -> None:
+    """SIGSTOP: the process lives and keeps its connections open, but answers nothing. A live
+    rank warns once, then names it in one line after --stall-seconds; the job exits 1, the
+    launcher takes the stopped process too, and the checkpoint resumes."""
+    extra = ("--stall-seconds", str(STALL_SECONDS), "--allreduce", stall.allreduce)
+    job = start(stall.np, frame, tmp_path / "run", *extra, launcher=stall.launcher)
+    job.wait_for(lambda output: epochs_written(output) >= 2, "two epochs")
+    stopped = job.rank(stall.stopped)
+    stopped.suspend()
+    stopped_at = time.monotonic()
+    try:
+        job.process.wait(timeout=STALL_SECONDS + ENDS_WITHIN)
+    except subprocess.TimeoutExpired:
+        pytest.fail(
+            f"still running {STALL_SECONDS + ENDS_WITHIN} s after the stop: {job.printed()}"
+        )
+    # silence counts from the last heartbeat heard, up to one interval (0.6 s) before the stop
+    assert time.monotonic() - stopped_at >= STALL_SECONDS - 0.6
+    printed = job.printed()
+    assert job.process.returncode == 1, printed
+    assert "Traceback" not in printed, printed
+    said = [
+        (rank, text)
+        for rank, text in Run(1, printed, "", 0).rank_lines()
+        if text.startswith("hvd-cpu:")
+    ]
+    named = f"hvd-cpu: rank {stall.reporter}: rank {stall.stopped} on {socket.gethostname()} " \
+        f"(pid {stopped.pid}) has not answered for "  # fmt: skip
+    assert [rank for rank, _ in said] == [stall.reporter, stall.reporter], printed
+    (_, warning), (_, ending) = said
+    assert warning.startswith(named) and "the job ends if it stays silent for 6 s" in warning
+    assert ending.startswith(f"{named}6 s (stopped by a signal or a debugger, ")
+    assert "ending the job (--stall-seconds 6)" in ending
+    assert processes_naming(job.output, grace=10) == [], "a process of the job outlived it"
+    with contextlib.suppress(psutil.NoSuchProcess):  # gone, or dead and not yet reaped
+        assert stopped.status() == psutil.STATUS_ZOMBIE
+    resumes(job, frame)
+
+
+def test_slow_steps_and_saves_are_no_stall(frame: Path, tmp_path: Path) -> None:
+    """The heartbeat beats beside the work: steps and checkpoint saves far longer than a
+    --stall-seconds of 0.5 end no job."""
+    output = tmp_path / "slow"
+    job = horovodrun(2, *train_args(frame, output, 2, "--stall-seconds", "0.5",
+                                    "--hidden", "4096,4096", "--batch-size", "1000"))  # fmt: skip
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert "has not answered" not in job.stdout + job.stderr
+    # 2000 rows less the held-out, 1000 a batch: one step per epoch, slower than the bound
+    assert min(record["seconds"] for record in metrics(output)) > 0.5

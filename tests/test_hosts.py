@@ -239,3 +239,47 @@ def test_hosts_are_reachable_only_through_the_test_bridge(hosts: Hosts) -> None:
     routes = run(hosts.hosts[0].exec("ip", "route"))
     assert routes.returncode == 0
     assert "default" not in routes.stdout and "198.18.0.0/24 dev hvd0" in routes.stdout
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_rank_stopped_on_the_remote_host_is_named_and_the_job_ends_everywhere(
+    hosts: Hosts, tmp_path: Path, controller: str
+) -> None:
+    """SIGSTOP of a rank on the other host: a live rank names it and its host after
+    --stall-seconds, the job exits 1, and the launcher takes the stopped process too (hvd-cpu
+    kills a stalled rank only under --elastic; these hosts share a kernel, real ones do not)."""
+    output = tmp_path / "stopped"
+    command = [
+        str(BIN / "horovodrun"), f"--{controller}", "-np", "4", "--disable-cache", "--hostfile",
+        str(hosts.hostfile(2)), "-p", str(SSH_PORT), "-i", str(hosts.key),
+        str(BIN / "hvd-cpu"), "train", "--epochs", "1000", "--output", str(output),
+        "--stall-seconds", "6",
+    ]  # fmt: skip
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics = output / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
+        assert job.poll() is None and time.monotonic() < deadline, "the job did not start"
+        time.sleep(0.1)
+    ours = os.readlink("/proc/self/ns/net")
+    remote = [
+        pid for pid in hosts.processes(f"hvd-cpu train --epochs 1000 --output {output}")
+        if os.readlink(f"/proc/{pid}/ns/net") != ours and _is_python(pid)
+    ]  # fmt: skip
+    assert remote, "no rank found on the remote host"
+    host = run(["ip", "netns", "identify", str(remote[0])]).stdout.strip()
+    os.kill(remote[0], signal.SIGSTOP)
+    try:
+        job.wait(timeout=6 + 30)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        pytest.fail("horovodrun did not end within 36 s of a rank's stop")
+    printed = job.stdout.read().decode()
+    assert job.returncode == 1, printed
+    assert "Traceback" not in printed, printed
+    assert f"on {host} (pid {remote[0]}) has not answered for 6 s" in printed, printed
+    deadline = time.monotonic() + 10
+    while hosts.processes(f"--output {output}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert hosts.processes(f"--output {output}") == [], "a process of the job outlived it"

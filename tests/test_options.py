@@ -71,6 +71,7 @@ CONFIGS = (
         elastic=True,
         commit_every=5,
         max_restarts=0,
+        stall_seconds=2.5,
         val_fraction=0.0,
         progress=True,
     ),

@@ -13,16 +13,17 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from hvd_cpu.data.demo import make_demo_frame
 
-from .jobs import BIN, REPO, horovodrun
+from .jobs import BIN, REPO, horovodrun, metrics
 from .slurm import SlurmCluster, missing_tools
 
 SCRIPT = REPO / "launch" / "slurm.sbatch"
@@ -61,29 +62,33 @@ def sbatch(
     *train_args: str,
     options: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    during: Callable[[], None] | None = None,
 ) -> Job:
     """`sbatch --wait [OPTIONS] launch/slurm.sbatch TRAIN_ARGS`, submitted from `folder` (not
-    the repository: the script must find its venv from the path it was submitted by)."""
+    the repository: the script must find its venv from the path it was submitted by); `during`
+    runs while it waits."""
     log = folder / "job-%j.out"
     command = ["sbatch", "--wait", "--parsable", f"--output={log}", "--time=5", *options]
     extra = dict(env or {})
     if BIN.parent != REPO / ".venv":  # the venv running these tests, if not the default one
         extra.setdefault("HVD_CPU_VENV", str(BIN.parent))
     start = time.monotonic()
-    done = subprocess.run(
+    with subprocess.Popen(
         [*command, str(SCRIPT), *train_args],
         cwd=folder,
         env={**cluster.env, **extra},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=JOB_SECONDS,
-        check=False,
-    )
+    ) as submitted:
+        if during:
+            during()
+        stdout, stderr = submitted.communicate(timeout=JOB_SECONDS)
     seconds = time.monotonic() - start
-    job_id = done.stdout.strip().split(";")[0]
-    assert job_id.isdigit(), f"sbatch refused the job: {done.stderr}"
+    job_id = stdout.strip().split(";")[0]
+    assert job_id.isdigit(), f"sbatch refused the job: {stderr}"
     output = Path(str(log).replace("%j", job_id))
-    return Job(job_id, done.returncode, output.read_text() if output.exists() else "", seconds)
+    return Job(job_id, submitted.returncode, output.read_text() if output.exists() else "", seconds)
 
 
 def assert_nothing_left(cluster: SlurmCluster, job: Job, marker: Path) -> None:
@@ -206,6 +211,38 @@ def test_bad_input_in_a_job_ends_it_with_status_2(cluster: SlurmCluster, tmp_pat
         assert len(lines) == 1 and lines[0].startswith("hvd-cpu: error: "), job.output
         assert said in lines[0]
         assert_nothing_left(cluster, job, data)
+
+
+def test_a_stopped_rank_ends_the_job_with_status_1_naming_it(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """SIGSTOP of rank 1 of 2 under srun: rank 0 names it after --stall-seconds, the job ends
+    with 1 and SLURM takes the stopped task too."""
+    output = tmp_path / "out"
+    stopped: list[int] = []
+
+    def stop_rank_1() -> None:
+        deadline = time.monotonic() + 120
+        while not (output / "metrics.jsonl").exists() or len(metrics(output)) < 2:
+            assert time.monotonic() < deadline, "the job did not train"
+            time.sleep(0.2)
+        for process in psutil.process_iter(["cmdline", "environ", "exe"]):
+            environ = process.info["environ"] or {}
+            if str(output) in " ".join(process.info["cmdline"] or []) and (
+                environ.get("SLURM_PROCID") == "1" and "python" in (process.info["exe"] or "")
+            ):
+                stopped.append(process.pid)
+                process.suspend()
+                return
+
+    job = sbatch(cluster, tmp_path, "--epochs", "1000", "--output", str(output),
+                 "--stall-seconds", "6", during=stop_rank_1)  # fmt: skip
+    assert stopped, "no rank 1 found"
+    assert job.returncode == 1, job.output
+    assert "hvd-cpu: rank 0: rank 1 on " in job.output
+    assert f"(pid {stopped[0]}) has not answered for 6 s" in job.output, job.output
+    assert "Traceback" not in job.output
+    assert_nothing_left(cluster, job, output)
 
 
 def test_the_script_outside_slurm_says_how_to_submit() -> None:

@@ -256,6 +256,12 @@ class TrainConfig:
         help="--elastic: lost ranks to go on after; the next one ends the job.",
         type=click.IntRange(min=0),
     )
+    stall_seconds: float = option(
+        60.0,
+        help="End the job when a rank has not answered for this long (stopped, swapping, cut "
+        "off); under --elastic drop it as lost. 0: wait forever.",
+        type=click.FloatRange(min=0),
+    )
     # what is shown
     progress: bool | None = option(
         None,
@@ -311,6 +317,8 @@ class TrainConfig:
                 raise InputError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_restarts < 0:
             raise InputError(f"max_restarts must be at least 0, got {self.max_restarts}")
+        if not self.stall_seconds >= 0:
+            raise InputError(f"stall_seconds must be 0 or more, got {self.stall_seconds}")
         if not 0 <= self.seed <= SEED_MAX:
             raise InputError(f"--seed must be between 0 and {SEED_MAX}, got {self.seed}")
         for name, allowed in CHOICES.items():

@@ -6,5 +6,6 @@ collectives and DistributedOptimizer, elastic mode). collectives.py is the one i
 what ranks exchange; each backend is a subclass (Horovod's in horovod.py, MPI's in mpi.py, the
 job of one in collectives.py): a new backend is one new subclass, chosen in horovod.init.
 cores.py gives each rank its share of cores; lifecycle.py signals, exit codes, parent death;
+watchdog.py heartbeats between the ranks, so a rank that stops answering ends the job;
 driver.py runs Horovod's launcher for fit() in a child process (the caller keeps its Ctrl-C).
 """

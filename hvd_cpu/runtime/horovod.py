@@ -15,6 +15,7 @@ threads are in cores.py, how a rank's process ends in lifecycle.py.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import shutil
 import socket
@@ -32,10 +33,16 @@ from horovod.common.exceptions import HostsUpdatedInterrupt
 
 from hvd_cpu.config.options import CONTROLLER_NAMES
 from hvd_cpu.errors import InputError, RunFailed
+from hvd_cpu.runtime import watchdog
 from hvd_cpu.runtime.collectives import Alone, Collectives
 from hvd_cpu.runtime.cores import default_threads
 from hvd_cpu.runtime.lifecycle import arrange_ending
-from hvd_cpu.runtime.mpi import MpiCollectives, checked_communicator, finalize_mpi
+from hvd_cpu.runtime.mpi import (
+    MpiCollectives,
+    checked_communicator,
+    finalize_mpi,
+    yield_when_oversubscribed,
+)
 
 # How a Gloo-only build (made where no Open MPI was installed) gets MPI.
 WITH_MPI = (
@@ -75,15 +82,25 @@ class World:
 # Joining and leaving the job
 
 
-def init(threads: int | None = None, comm: Any = None, horovod_steps: bool = True) -> World:
+def init(
+    threads: int | None = None,
+    comm: Any = None,
+    horovod_steps: bool = True,
+    stall_seconds: float = 0.0,
+) -> World:
     """Join the job (a job of one without a launcher) and give this rank its share of cores.
 
     Under an MPI launcher, or on `comm` (an mpi4py communicator of a program of your own),
     Horovod runs its MPI controller; otherwise Gloo's. Without a thread budget every rank
     would start one thread per core, and N ranks on N cores would fight over N x N threads.
-    `horovod_steps=False` says no training step will use Horovod (see IDLE_CYCLE_MS).
+    `horovod_steps=False` says no training step will use Horovod (see IDLE_CYCLE_MS). With
+    `stall_seconds`, a rank silent that long ends the job (runtime/watchdog.py; under
+    --elastic the watch starts in elastic_world).
     """
     arrange_ending()
+    if stall_seconds:
+        # Gloo's own timeout would end a stalled job first, with a line that names nobody.
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(math.ceil(stall_seconds) + 30))
     mpi = None
     if comm is not None or mpi_launched():
         if not hvd.mpi_built():
@@ -91,6 +108,7 @@ def init(threads: int | None = None, comm: Any = None, horovod_steps: bool = Tru
                 "started by an MPI launcher, but this Horovod was built without MPI; "
                 f"{WITH_MPI}, or launch with horovodrun --gloo"
             )
+        yield_when_oversubscribed()
         comm = checked_communicator(comm)
         if not horovod_steps:
             os.environ.setdefault("HOROVOD_CYCLE_TIME", IDLE_CYCLE_MS)
@@ -107,7 +125,10 @@ def init(threads: int | None = None, comm: Any = None, horovod_steps: bool = Tru
     collectives: Collectives = Alone()
     if hvd.size() > 1:
         collectives = HorovodCollectives() if mpi is None else MpiCollectives(mpi.Dup())
-    return _world(threads, hvd.local_size(), collectives)
+    world = _world(threads, hvd.local_size(), collectives)
+    if not elastic_launched():
+        watchdog.watch(world.rank, world.size, collectives, stall_seconds, elastic=False)
+    return world
 
 
 def _world(threads: int | None, ranks_here: int, collectives: Collectives) -> World:
@@ -262,7 +283,7 @@ def elastic_launched() -> bool:
     return os.environ.get("HOROVOD_ELASTIC") == "1"
 
 
-def elastic_world(threads: int | None) -> World:
+def elastic_world(threads: int | None, stall_seconds: float) -> World:
     """This rank's place after an elastic (re)start, which may have changed it.
 
     Threads are shared out among the ranks on this machine, counted by its hostname: Horovod
@@ -271,7 +292,9 @@ def elastic_world(threads: int | None) -> World:
     """
     here = socket.gethostname()
     collectives = HorovodCollectives()
-    return _world(threads, collectives.gather(here, "machine_names").count(here), collectives)
+    world = _world(threads, collectives.gather(here, "machine_names").count(here), collectives)
+    watchdog.watch(world.rank, world.size, collectives, stall_seconds, elastic=True)
+    return world
 
 
 class ElasticState(State):
@@ -328,6 +351,7 @@ def run_elastic(state: ElasticState, body: Callable[[], Any], max_restarts: int)
                 state.sync()
                 return body()
             except PeerLost as lost:
+                watchdog.stop()
                 state.restore()
                 state.failures += 1
                 if state.failures > max_restarts:
@@ -337,6 +361,7 @@ def run_elastic(state: ElasticState, body: Callable[[], Any], max_restarts: int)
                     ) from lost
             except HostsUpdatedInterrupt:
                 pass
+            watchdog.stop()  # the ranks change: the next pass watches the new ones
             hvd.shutdown()
             hvd.init()
             state.on_reset()

@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -18,7 +19,11 @@ RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _quiet = False  # exit_quietly_on_signals has run
 _ending = False  # exit_now has begun: a signal from now on changes nothing
+_exit_lock = threading.Lock()
 _on_exit: list[Callable[[], None]] = []  # run however the process ends, but by SIGKILL
+# Whether this process is the failure a live rank already named (runtime/watchdog.py: it stood
+# stopped, and its launcher now ends it): then a signal ends it without a word, with code 1.
+_named_elsewhere: Callable[[], bool] = lambda: False  # noqa: E731
 
 
 def on_exit(undo: Callable[[], None]) -> None:
@@ -33,6 +38,13 @@ def _run_on_exit() -> None:
     while _on_exit:
         with contextlib.suppress(Exception):
             _on_exit.pop()()
+
+
+def named_elsewhere_if(check: Callable[[], bool]) -> None:
+    """Let `check` say that this process is a failure another rank named: the launcher's
+    signal then ends it with 1 (the job's code for it; srun takes the highest task's), quietly."""
+    global _named_elsewhere
+    _named_elsewhere = check
 
 
 def launch_rank_known() -> bool:
@@ -50,10 +62,12 @@ def launch_rank() -> int:
 
 def arrange_ending() -> None:
     """How a rank's process ends: quietly and at once on a signal, and, when a launcher
-    started it, also when its parent dies (see exit_quietly_on_signals, end_with_parent)."""
+    started it, also when its parent dies, even stopped (see exit_quietly_on_signals,
+    end_with_parent, guard_stopped)."""
     exit_quietly_on_signals()
     if launch_rank_known():
         end_with_parent()
+        guard_stopped()
 
 
 def exit_quietly_on_signals() -> None:
@@ -81,6 +95,8 @@ def exit_quietly_on_signals() -> None:
             pass
         if _ending:
             return  # the main thread is already ending the process, with its own line and code
+        if _named_elsewhere():
+            exit_now(1)
         if launch_rank() == 0:
             who = "rank 0: " if launch_rank_known() else ""
             # One write: Open MPI's --tag-output would tag print()'s separate newline alone.
@@ -95,13 +111,22 @@ def exit_now(code: int) -> None:
 
     Teardown waits on peers that may be gone and restores the default signal handlers, so a
     rank that is still tearing down when horovodrun sends SIGTERM dies noisily by the signal.
+    The first caller's code wins: a thread that comes second waits for the end.
     """
     global _ending
-    _ending = True
+    with _exit_lock:
+        if _ending:  # another thread is ending the process, with its own line and code
+            threading.Event().wait()
+        _ending = True
     _run_on_exit()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def ending() -> bool:
+    """Whether this process is already on its way out (its line said, its code chosen)."""
+    return _ending
 
 
 def end_with_parent() -> None:
@@ -116,3 +141,36 @@ def end_with_parent() -> None:
         return  # not Linux, or refused: the launcher's own clean-up still applies
     if os.getppid() != parent:  # the parent died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+# Waits for the rank's parent to die; then, if the rank stands stopped (T: by a signal, t: by a
+# debugger), kills it. $1 the rank, $2 its parent.
+GUARD = """
+while kill -0 "$1" 2>/dev/null; do
+  if ! kill -0 "$2" 2>/dev/null; then
+    read -r _ _ state _ < "/proc/$1/stat" && case $state in T|t) kill -9 "$1" ;; esac
+    exit 0
+  fi
+  sleep 1
+done
+"""
+
+
+def guard_stopped() -> None:
+    """A small shell that kills this process if its parent dies while it stands stopped.
+
+    A stopped process keeps the SIGTERM of end_with_parent pending for ever: a rank stopped on
+    a host its launcher reached over ssh (horovodrun) outlives the job it stalled, since the
+    launcher's clean-up there is only the end of the ssh session. Launchers that clean up
+    themselves (mpirun, srun, horovodrun on its own host) kill it first.
+    """
+    if not os.path.exists(f"/proc/{os.getpid()}/stat"):
+        return  # not Linux: the launcher's own clean-up still applies
+    command = ["sh", "-c", GUARD, "hvd-cpu-guard", str(os.getpid()), str(os.getppid())]
+    subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a Ctrl-C to the job's process group is not for it
+    )

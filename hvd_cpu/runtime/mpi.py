@@ -11,6 +11,7 @@ several times a small model's whole step, while MPI's shared-memory transport mo
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,23 @@ import torch
 
 from hvd_cpu.errors import InputError
 from hvd_cpu.runtime.collectives import Collectives
+from hvd_cpu.runtime.cores import usable_cores
+
+# Open MPI's setting: a rank waiting for a message yields its core between polls.
+YIELD_WHEN_IDLE = "OMPI_MCA_mpi_yield_when_idle"
+
+
+def yield_when_oversubscribed() -> None:
+    """Before MPI starts: when this host runs more ranks than it has cores, a rank waiting in
+    MPI gives its core away instead of busy-polling for the message.
+
+    Open MPI decides that itself only when it knows it is oversubscribed; horovodrun -np 4
+    on a 2-core host tells it of 4 slots, and the two waiting ranks then spin on the cores
+    the two computing ones need (docs/measurements.md, "More ranks than cores").
+    """
+    ranks_here = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
+    if ranks_here.isdigit() and int(ranks_here) > usable_cores():
+        os.environ.setdefault(YIELD_WHEN_IDLE, "1")
 
 
 def checked_communicator(comm: Any) -> Any:

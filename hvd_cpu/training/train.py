@@ -12,7 +12,7 @@ from torch import nn
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.output import lock
-from hvd_cpu.runtime import horovod
+from hvd_cpu.runtime import horovod, watchdog
 from hvd_cpu.training import elastic
 from hvd_cpu.training.job import Job
 from hvd_cpu.training.prepare import prepare
@@ -33,7 +33,7 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
     the processes of `comm`, an mpi4py communicator, are one job over MPI)."""
     if config.elastic:
         elastic.check_launched()
-    world = horovod.init(config.threads, comm, config.horovod_steps)
+    world = horovod.init(config.threads, comm, config.horovod_steps, config.stall_seconds)
     try:
         prepared = prepare(config, world)  # rank 0 takes the output folder here
         trainer = build_trainer(config, world, prepared, prepared.model)
@@ -48,5 +48,6 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
             job.close(failed=True)
             raise
     finally:
+        watchdog.stop()  # the others may finish later; this rank is not stalled, it is done
         lock.release(config.output)  # a Python caller's process goes on after the job
     return TrainResult(trainer.model, prepared.transform, trainer.state.history)

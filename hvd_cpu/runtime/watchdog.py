@@ -1,0 +1,307 @@
+"""A rank that stops answering without dying (stopped by a debugger or SIGSTOP, swapping to
+death, cut off by a network that drops packets while its TCP connections stay open) ends the
+job within `--stall-seconds`, with one line naming it; under --elastic it is dropped as a
+lost rank.
+
+Why heartbeats and not timeouts on the collectives: MPI has none, Horovod's stall inspector
+only warns by default and sees only Horovod's own collectives, and a collective that waits
+long is normal while rank 0 writes a big checkpoint. A heartbeat thread beats while its
+rank computes, saves or waits, and falls silent only when the whole process stops or its
+network does. Each rank sends a small UDP datagram to every other rank each `interval` from
+a daemon thread, and watches the others' datagrams:
+
+- a peer silent for a quarter of the bound: one warning line, once;
+- silent for the whole bound: the lowest rank that still hears from everyone else but the
+  silent ones says so in one line and, if the silent process is on this machine's kernel,
+  kills it (its launcher kills it otherwise); every rank that sees the silence exits with 1.
+  Under --elastic the silent rank is killed, and the others go on without it.
+
+A peer is watched only once its first heartbeat has arrived: a network that blocks UDP
+between hosts turns the watch off for that peer (with one line) instead of ending healthy
+jobs. A rank that leaves normally says so with a last datagram.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from hvd_cpu.runtime.collectives import Collectives
+from hvd_cpu.runtime.lifecycle import exit_now, named_elsewhere_if, on_exit
+
+# The datagram: the job's token, the sender's rank, the addressee's rank, and whether the
+# sender is leaving (a normal end: stop watching it).
+DATAGRAM = struct.Struct("!16sII?")
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+# Seconds the ranks that see a stall but do not report it wait before they exit too (the
+# launcher usually ends them first, when the reporting rank exits).
+REPORTER_LEAD = 5.0
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Where a rank listens for heartbeats and how to recognise its process."""
+
+    host: str
+    addresses: tuple[str, ...]
+    port: int
+    pid: int
+    started: float  # the process's start time: a pid reused later is not the same process
+    kernel: str  # boot id and pid namespace: equal means the pid names the same process here
+
+    def describe(self, rank: int) -> str:
+        return f"rank {rank} on {self.host} (pid {self.pid})"
+
+
+def this_kernel() -> str:
+    """Which kernel and pid namespace this process lives in (hosts made of network namespaces
+    share one; real machines do not)."""
+    try:
+        return f"{BOOT_ID.read_text().strip()}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return f"unknown:{secrets.token_hex(8)}"  # never equal to another's: never kill
+
+
+def reachable_addresses() -> tuple[str, ...]:
+    """Every IPv4 address of this machine: a peer sends to each, the one its network reaches
+    arrives (others are dropped, or land on a port whose owner ignores a foreign token)."""
+    addresses = {
+        address.address
+        for addresses in psutil.net_if_addrs().values()
+        for address in addresses
+        if address.family == socket.AF_INET
+    }
+    return tuple(sorted(addresses))
+
+
+class Watchdog:
+    """This rank's heartbeats to, and watch over, every other rank of its job."""
+
+    def __init__(self, rank: int, collectives: Collectives, bound: float, elastic: bool) -> None:
+        self.rank, self.bound, self.elastic = rank, bound, elastic
+        self.interval = min(1.0, bound / 10)
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.socket.bind(("0.0.0.0", 0))
+        me = psutil.Process()
+        here = Peer(
+            socket.gethostname(), reachable_addresses(), self.socket.getsockname()[1],
+            me.pid, me.create_time(), this_kernel(),
+        )  # fmt: skip
+        token = secrets.token_bytes(16) if rank == 0 else None
+        self.token: bytes = collectives.broadcast_object(token, "watchdog_token")
+        self.peers = dict(enumerate(collectives.gather(here, "watchdog_peers")))
+        del self.peers[rank]
+        now = time.monotonic()
+        self.started = self.last_tick = now
+        self.heard: dict[int, float] = {}  # peer: when last heard (watched from the first)
+        self.gone: set[int] = set()  # peers that left normally
+        self.warned: set[int] = set()
+        self.unheard_said = False
+        self.stop_event = threading.Event()
+        self.ending = threading.Lock()
+        self.resumed = False  # this process stood stopped and was let go on
+        self.thread = threading.Thread(target=self._run, name="hvd-cpu-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching and tell the others this rank leaves normally. Never waits (it runs
+        on the way out of the process): the thread ends by itself within an interval."""
+        if self.stop_event.is_set():
+            return
+        self.stop_event.set()
+        self._send(leaving=True)
+
+    # The thread
+
+    def _run(self) -> None:
+        next_beat = 0.0
+        while not self.stop_event.is_set():
+            now = time.monotonic()
+            if self._was_stopped(now):
+                # This process was the one stopped (and is resumed, perhaps by the launcher
+                # that ends it): the others' silence is its own, not theirs.
+                self.resumed = True
+                self.heard = dict.fromkeys(self.heard, now)
+                self.warned.clear()
+            self.last_tick = now
+            if now >= next_beat:
+                self._send(leaving=False)
+                next_beat = now + self.interval
+                self._check(now)
+            with contextlib.suppress(OSError, ValueError):
+                ready, _, _ = select.select([self.socket], [], [], max(0.0, next_beat - now))
+                if ready:
+                    self._receive()
+        self.socket.close()
+
+    def stood_stopped(self) -> bool:
+        """Whether this process was stopped at some point (its launcher's SIGTERM after a
+        stall is no news: a live rank named it)."""
+        return self.resumed or self._was_stopped(time.monotonic())
+
+    def _was_stopped(self, now: float) -> bool:
+        """Whether this thread missed several beats: the whole process stood still."""
+        return now - self.last_tick > max(3 * self.interval, self.bound / 4)
+
+    def _send(self, leaving: bool) -> None:
+        for rank, peer in self.peers.items():
+            datagram = DATAGRAM.pack(self.token, self.rank, rank, leaving)
+            for address in peer.addresses:
+                with contextlib.suppress(OSError):  # unreachable from here: another one is
+                    self.socket.sendto(datagram, (address, peer.port))
+
+    def _receive(self) -> None:
+        data = self.socket.recv(DATAGRAM.size + 1)
+        if len(data) != DATAGRAM.size:
+            return
+        token, sender, addressee, leaving = DATAGRAM.unpack(data)
+        if token != self.token or addressee != self.rank or sender not in self.peers:
+            return
+        if leaving:
+            self.gone.add(sender)
+            self.heard.pop(sender, None)
+        elif sender not in self.gone:
+            self.heard[sender] = time.monotonic()
+
+    def _check(self, now: float) -> None:
+        unheard = set(self.peers) - set(self.heard) - self.gone
+        if unheard and now - self.started > self.bound and not self.unheard_said:
+            self.unheard_said = True
+            names = ", ".join(self.peers[p].describe(p) for p in sorted(unheard))
+            _say(
+                f"hvd-cpu: rank {self.rank}: no heartbeat from {names} reached this rank in "
+                f"{self.bound:g} s (UDP blocked between hosts?); a stalled rank there will not "
+                "be noticed"
+            )
+        silence = {p: now - last for p, last in self.heard.items()}
+        for peer, seconds in sorted(silence.items()):
+            if seconds >= self.bound / 4 and peer not in self.warned and seconds < self.bound:
+                self.warned.add(peer)
+                if self._reporter(silence):
+                    _say(
+                        f"hvd-cpu: rank {self.rank}: {self.peers[peer].describe(peer)} has not "
+                        f"answered for {seconds:.0f} s; the job ends if it stays silent for "
+                        f"{self.bound:g} s (--stall-seconds)"
+                    )
+        stalled = sorted(p for p, seconds in silence.items() if seconds >= self.bound)
+        if stalled:
+            self._end(stalled, silence)
+
+    def _reporter(self, silence: dict[int, float]) -> bool:
+        """Whether this rank is the lowest of those still heard (the one that speaks)."""
+        quiet = {p for p, seconds in silence.items() if seconds >= self.bound / 4}
+        return all(p > self.rank for p in self.peers if p not in quiet and p not in self.gone)
+
+    def _end(self, stalled: list[int], silence: dict[int, float]) -> None:
+        with self.ending:  # the thread and a failed collective may both get here: one speaks
+            self._end_once(stalled, silence)
+
+    def _end_once(self, stalled: list[int], silence: dict[int, float]) -> None:
+        # Killed under --elastic only: otherwise this rank's exit ends the job, and the
+        # launcher kills the rest, the stopped one included, with this rank's exit code.
+        killed = [p for p in stalled if self.elastic and self._kill(p)]
+        names = ", ".join(self.peers[p].describe(p) for p in stalled)
+        why = (
+            f"has not answered for {self.bound:g} s (stopped by a signal or a debugger, "
+            "swapping, or cut off from the network)"
+        )
+        reporter = self._reporter(silence)
+        if self.elastic and len(killed) == len(stalled):
+            for peer in stalled:
+                self.heard.pop(peer, None)
+            if reporter:
+                _say(f"hvd-cpu: rank {self.rank}: {names} {why}; dropped as a lost rank")
+            return  # its connections close: the others see a lost rank and go on
+        if reporter:
+            elsewhere = (
+                " (--elastic drops a stalled rank only on this machine's kernel)"
+                if self.elastic
+                else ""
+            )
+            _say(
+                f"hvd-cpu: rank {self.rank}: {names} {why}; ending the job{elsewhere} "
+                f"(--stall-seconds {self.bound:g}); run the same command with --resume to go "
+                "on from the last checkpoint"
+            )
+        else:
+            # The rank that speaks goes first: an exit here could make the launcher stop it
+            # before its line is out.
+            time.sleep(REPORTER_LEAD)
+        exit_now(1)
+
+    def end_as_stall(self) -> None:
+        """A collective failed while peers were silent: the silence is the cause, so end
+        as the bound would have (another rank got there first)."""
+        now = time.monotonic()
+        silence = {p: now - last for p, last in self.heard.items()}
+        stalled = sorted(p for p, seconds in silence.items() if seconds >= self.bound / 4)
+        if stalled and not self._was_stopped(now):
+            self._end(stalled, silence)
+
+    def _kill(self, rank: int) -> bool:
+        """Kill a stalled peer that runs on this kernel (SIGKILL ends a stopped process too);
+        a peer elsewhere is its launcher's to end."""
+        peer = self.peers[rank]
+        if peer.kernel != this_kernel():
+            return False
+        try:
+            process = psutil.Process(peer.pid)
+            if abs(process.create_time() - peer.started) > 0.01:
+                return False  # the pid was reused
+            process.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            return False
+        return True
+
+
+def _say(line: str) -> None:
+    # One write: Open MPI's --tag-output would tag a separate newline alone.
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+_current: Watchdog | None = None
+_hooked = False  # stop() is an exit hook of this process
+
+
+def watch(rank: int, size: int, collectives: Collectives, bound: float, elastic: bool) -> None:
+    """Start this rank's watchdog (a collective: every rank calls it), after stopping the one
+    of an earlier membership (--elastic); nothing for a job of one or a bound of 0."""
+    global _current, _hooked
+    stop()
+    if size > 1 and bound > 0:
+        _current = Watchdog(rank, collectives, bound, elastic).start()
+        if not _hooked:
+            _hooked = True
+            on_exit(stop)
+            named_elsewhere_if(lambda: _current is not None and _current.stood_stopped())
+
+
+def stop() -> None:
+    """Stop watching (the job is done, or --elastic is about to change its ranks)."""
+    global _current
+    if _current is not None:
+        _current.stop()
+        _current = None
+
+
+def explain_lost() -> None:
+    """Before a rank says it lost a peer: if peers fell silent first, end as a stall (the
+    stalled rank named, by the rank that speaks for the others); otherwise return."""
+    if _current is not None:
+        _current.end_as_stall()
