@@ -161,6 +161,10 @@ CASES: dict[str, Case] = {
 }
 # Kinds that one process meets as every rank does: cheap to run alone, nothing to agree on.
 PLAIN_CASES: dict[str, Case] = {
+    "stall bound below the heartbeat's noise": (
+        lambda tmp, demo: ["--stall-seconds", "0.5"],
+        r"--stall-seconds must be 0 \(never end a job\) or at least 2 .*got 0\.5",
+    ),
     "a folder of other files as --data": (
         lambda tmp, demo: ["--data", str(tmp)],
         r"cannot read .* as parquet: ArrowInvalid: .*check that every file in it is parquet",

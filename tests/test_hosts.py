@@ -200,7 +200,9 @@ def test_a_rank_killed_on_the_remote_host_ends_the_job_everywhere(
     metrics = output / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not metrics.exists() or not metrics.read_text():
-        assert job.poll() is None and time.monotonic() < deadline, "the job did not start"
+        if job.poll() is not None or time.monotonic() > deadline:
+            job.kill()
+            pytest.fail(f"the job did not start: {job.communicate()[0].decode()}")
         time.sleep(0.1)
 
     ours = os.readlink("/proc/self/ns/net")
@@ -241,6 +243,11 @@ def test_hosts_are_reachable_only_through_the_test_bridge(hosts: Hosts) -> None:
     assert "default" not in routes.stdout and "198.18.0.0/24 dev hvd0" in routes.stdout
 
 
+# Longer than elsewhere: 4 ranks of 2 hosts on this 2-core VM, all ranks of one host saw their
+# heartbeat threads stand still for 6.6 s at a job's start (1 run in about 15 under MPI).
+STALL_SECONDS = 15
+
+
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_a_rank_stopped_on_the_remote_host_is_named_and_the_job_ends_everywhere(
     hosts: Hosts, tmp_path: Path, controller: str
@@ -253,14 +260,16 @@ def test_a_rank_stopped_on_the_remote_host_is_named_and_the_job_ends_everywhere(
         str(BIN / "horovodrun"), f"--{controller}", "-np", "4", "--disable-cache", "--hostfile",
         str(hosts.hostfile(2)), "-p", str(SSH_PORT), "-i", str(hosts.key),
         str(BIN / "hvd-cpu"), "train", "--epochs", "1000", "--output", str(output),
-        "--stall-seconds", "6",
+        "--stall-seconds", str(STALL_SECONDS),
     ]  # fmt: skip
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     metrics = output / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
-        assert job.poll() is None and time.monotonic() < deadline, "the job did not start"
+        if job.poll() is not None or time.monotonic() > deadline:
+            job.kill()
+            pytest.fail(f"the job did not start: {job.communicate()[0].decode()}")
         time.sleep(0.1)
     ours = os.readlink("/proc/self/ns/net")
     remote = [
@@ -271,14 +280,14 @@ def test_a_rank_stopped_on_the_remote_host_is_named_and_the_job_ends_everywhere(
     host = run(["ip", "netns", "identify", str(remote[0])]).stdout.strip()
     os.kill(remote[0], signal.SIGSTOP)
     try:
-        job.wait(timeout=6 + 30)
+        job.wait(timeout=STALL_SECONDS + 30)
     except subprocess.TimeoutExpired:
         job.kill()
-        pytest.fail("horovodrun did not end within 36 s of a rank's stop")
+        pytest.fail(f"horovodrun did not end within {STALL_SECONDS + 30} s of a rank's stop")
     printed = job.stdout.read().decode()
     assert job.returncode == 1, printed
     assert "Traceback" not in printed, printed
-    assert f"on {host} (pid {remote[0]}) has not answered for 6 s" in printed, printed
+    assert f"on {host} (pid {remote[0]}) has not answered for {STALL_SECONDS} s" in printed, printed
     deadline = time.monotonic() + 10
     while hosts.processes(f"--output {output}") and time.monotonic() < deadline:
         time.sleep(0.2)

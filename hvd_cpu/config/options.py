@@ -20,6 +20,8 @@ DEMO_ROWS = 2048
 DEMO_FEATURES = 16
 # Seeds feed numpy (non-negative) and torch (seed x 1_000_003 + epoch < 2**64).
 SEED_MAX = 2**32 - 1
+# Shorter bounds are within what a busy machine delays a heartbeat thread.
+MIN_STALL_SECONDS = 2.0
 # Horovod's two controllers, as the summary and bench name them.
 CONTROLLER_NAMES = {"mpi": "MPI", "gloo": "Gloo"}
 
@@ -259,7 +261,7 @@ class TrainConfig:
     stall_seconds: float = option(
         60.0,
         help="End the job when a rank has not answered for this long (stopped, swapping, cut "
-        "off); under --elastic drop it as lost. 0: wait forever.",
+        f"off); under --elastic drop it as lost. At least {MIN_STALL_SECONDS:g}; 0: wait forever.",
         type=click.FloatRange(min=0),
     )
     # what is shown
@@ -317,8 +319,11 @@ class TrainConfig:
                 raise InputError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_restarts < 0:
             raise InputError(f"max_restarts must be at least 0, got {self.max_restarts}")
-        if not self.stall_seconds >= 0:
-            raise InputError(f"stall_seconds must be 0 or more, got {self.stall_seconds}")
+        if not (self.stall_seconds == 0 or self.stall_seconds >= MIN_STALL_SECONDS):
+            raise InputError(
+                f"--stall-seconds must be 0 (never end a job) or at least {MIN_STALL_SECONDS:g} "
+                f"(a busy machine delays a heartbeat by a second), got {self.stall_seconds:g}"
+            )
         if not 0 <= self.seed <= SEED_MAX:
             raise InputError(f"--seed must be between 0 and {SEED_MAX}, got {self.seed}")
         for name, allowed in CHOICES.items():

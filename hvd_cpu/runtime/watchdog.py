@@ -39,7 +39,7 @@ from pathlib import Path
 import psutil
 
 from hvd_cpu.runtime.collectives import Collectives
-from hvd_cpu.runtime.lifecycle import exit_now, named_elsewhere_if, on_exit
+from hvd_cpu.runtime.lifecycle import ending, exit_now, named_elsewhere_if, on_exit
 
 # The datagram: the job's token, the sender's rank, the addressee's rank, and whether the
 # sender is leaving (a normal end: stop watching it).
@@ -48,6 +48,9 @@ BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 # Seconds the ranks that see a stall but do not report it wait before they exit too (the
 # launcher usually ends them first, when the reporting rank exits).
 REPORTER_LEAD = 5.0
+# What became of a silent peer: stopped (or swapping) on this kernel, no longer there, or on
+# another machine (nothing here can tell).
+STOPPED_HERE, GONE, ELSEWHERE = "stopped here", "gone", "elsewhere"
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,7 @@ class Watchdog:
                 if self._reporter(silence):
                     _say(
                         f"hvd-cpu: rank {self.rank}: {self.peers[peer].describe(peer)} has not "
-                        f"answered for {seconds:.0f} s; the job ends if it stays silent for "
+                        f"answered for {seconds:.1f} s; the job ends if it stays silent for "
                         f"{self.bound:g} s (--stall-seconds)"
                     )
         stalled = sorted(p for p, seconds in silence.items() if seconds >= self.bound)
@@ -212,61 +215,79 @@ class Watchdog:
             self._end_once(stalled, silence)
 
     def _end_once(self, stalled: list[int], silence: dict[int, float]) -> None:
-        # Killed under --elastic only: otherwise this rank's exit ends the job, and the
-        # launcher kills the rest, the stopped one included, with this rank's exit code.
-        killed = [p for p in stalled if self.elastic and self._kill(p)]
-        names = ", ".join(self.peers[p].describe(p) for p in stalled)
-        why = (
+        reporter = self._reporter(silence)
+        fates = {p: self._fate(p) for p in stalled}
+        if self.elastic and ELSEWHERE not in fates.values():
+            # Under --elastic a stalled rank here is killed, and one already gone is Horovod's
+            # lost rank: its connections close, and the others go on without it.
+            for peer in stalled:
+                self.heard.pop(peer, None)
+            killed = [p for p in stalled if fates[p] == STOPPED_HERE and self._kill(p)]
+            if reporter and killed:
+                names = ", ".join(self.peers[p].describe(p) for p in killed)
+                _say(f"hvd-cpu: rank {self.rank}: {names} {self._why()}; dropped as a lost rank")
+            return
+        # Otherwise this rank's exit ends the job, and the launcher kills the rest, the stopped
+        # one included, with this rank's exit code.
+        said = "; ".join(
+            f"{self.peers[p].describe(p)} "
+            + ("ended without a word (killed?)" if fates[p] == GONE else self._why())
+            for p in stalled
+        )
+        elsewhere = " (--elastic drops a stalled rank only on this machine's kernel)"
+        if not reporter:
+            # The rank that speaks goes first: an exit here could make the launcher stop it
+            # before its line is out. Still here after that, this rank speaks: that one
+            # could not (its own heartbeat stood still too).
+            time.sleep(REPORTER_LEAD)
+        if not ending():  # not told to end meanwhile (the launcher ending the job)
+            _say(
+                f"hvd-cpu: rank {self.rank}: {said}; ending the job"
+                f"{elsewhere if self.elastic else ''}"
+                f" (--stall-seconds {self.bound:g}); run the same command with --resume to go "
+                "on from the last checkpoint"
+            )
+        exit_now(1)
+
+    def _why(self) -> str:
+        return (
             f"has not answered for {self.bound:g} s (stopped by a signal or a debugger, "
             "swapping, or cut off from the network)"
         )
-        reporter = self._reporter(silence)
-        if self.elastic and len(killed) == len(stalled):
-            for peer in stalled:
-                self.heard.pop(peer, None)
-            if reporter:
-                _say(f"hvd-cpu: rank {self.rank}: {names} {why}; dropped as a lost rank")
-            return  # its connections close: the others see a lost rank and go on
-        if reporter:
-            elsewhere = (
-                " (--elastic drops a stalled rank only on this machine's kernel)"
-                if self.elastic
-                else ""
-            )
-            _say(
-                f"hvd-cpu: rank {self.rank}: {names} {why}; ending the job{elsewhere} "
-                f"(--stall-seconds {self.bound:g}); run the same command with --resume to go "
-                "on from the last checkpoint"
-            )
-        else:
-            # The rank that speaks goes first: an exit here could make the launcher stop it
-            # before its line is out.
-            time.sleep(REPORTER_LEAD)
-        exit_now(1)
 
     def end_as_stall(self) -> None:
         """A collective failed while peers were silent: the silence is the cause, so end
         as the bound would have (another rank got there first)."""
         now = time.monotonic()
         silence = {p: now - last for p, last in self.heard.items()}
-        stalled = sorted(p for p, seconds in silence.items() if seconds >= self.bound / 4)
+        stalled = sorted(
+            p
+            for p, seconds in silence.items()
+            if seconds >= self.bound / 4 and self._fate(p) != GONE
+        )  # a peer gone is the lost rank the caller names
         if stalled and not self._was_stopped(now):
             self._end(stalled, silence)
 
-    def _kill(self, rank: int) -> bool:
-        """Kill a stalled peer that runs on this kernel (SIGKILL ends a stopped process too);
-        a peer elsewhere is its launcher's to end."""
+    def _fate(self, rank: int) -> str:
+        """What became of a silent peer, as far as this rank can see."""
         peer = self.peers[rank]
         if peer.kernel != this_kernel():
-            return False
+            return ELSEWHERE
         try:
             process = psutil.Process(peer.pid)
-            if abs(process.create_time() - peer.started) > 0.01:
-                return False  # the pid was reused
-            process.send_signal(signal.SIGKILL)
+            # A pid reused since is not the peer; a zombie is a process that has ended.
+            same = abs(process.create_time() - peer.started) < 0.01
+            alive = same and process.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
-            return False
-        return True
+            return GONE
+        return STOPPED_HERE if alive else GONE
+
+    def _kill(self, rank: int) -> bool:
+        """Kill a stalled peer on this kernel (SIGKILL ends a stopped process too)."""
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(self.peers[rank].pid).send_signal(signal.SIGKILL)
+            return True
+        return False
 
 
 def _say(line: str) -> None:

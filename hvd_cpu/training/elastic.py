@@ -87,7 +87,9 @@ class ElasticJob:
         trainer, every = job.trainer, job.config.commit_every
 
         def after_step() -> None:
-            if trainer.state.step % every == 0:
+            # Not after an epoch's last step: a commit there would keep an epoch with no rows
+            # left and no metrics yet (the epoch-end commit follows its validation).
+            if trainer.state.step % every == 0 and not trainer.epoch_trained():
                 state.commit()
 
         job.run(world, after_step, state.commit)

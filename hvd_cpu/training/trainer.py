@@ -97,6 +97,10 @@ class Trainer:
         correct = (out.argmax(1) == y).sum() if self.classification else torch.zeros(())
         return loss.detach() * len(x), correct, waited
 
+    def epoch_trained(self) -> bool:
+        """Whether the ranks have trained every row of this epoch (--elastic counts them)."""
+        return self.state.epoch_rows >= len(self.batches.sampler.dataset)
+
     def run_epoch(
         self, progress: Progress | None, after_step: Callable[[], None] | None = None
     ) -> EpochMetrics:
