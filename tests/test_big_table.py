@@ -9,6 +9,7 @@ therefore stayed under the cap on every rank.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,7 +58,22 @@ def capped(tmp_path: Path) -> Iterator[Path]:
     yield script
     for group in [*parent.iterdir(), parent]:
         if group.is_dir():
+            remove_when_empty(group)
+
+
+def remove_when_empty(group: Path, timeout: float = 10) -> None:
+    """Remove a cgroup once the processes in it are gone (a rank's last moments may outlast
+    the job's end by a little)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
             group.rmdir()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                procs = group / "cgroup.procs"
+                raise AssertionError(f"{group} still holds {procs.read_text().split()}") from None
+            time.sleep(0.1)
 
 
 @pytest.fixture

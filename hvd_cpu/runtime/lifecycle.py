@@ -167,10 +167,11 @@ def guard_stopped() -> None:
     if not os.path.exists(f"/proc/{os.getpid()}/stat"):
         return  # not Linux: the launcher's own clean-up still applies
     command = ["sh", "-c", GUARD, "hvd-cpu-guard", str(os.getpid()), str(os.getppid())]
-    subprocess.Popen(
+    guard = subprocess.Popen(
         command,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,  # a Ctrl-C to the job's process group is not for it
     )
+    on_exit(guard.kill)  # it would outlive this process by up to a second

@@ -48,9 +48,11 @@ BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 # Seconds the ranks that see a stall but do not report it wait before they exit too (the
 # launcher usually ends them first, when the reporting rank exits).
 REPORTER_LEAD = 5.0
-# What became of a silent peer: stopped (or swapping) on this kernel, no longer there, or on
-# another machine (nothing here can tell).
-STOPPED_HERE, GONE, ELSEWHERE = "stopped here", "gone", "elsewhere"
+# What became of a silent peer: on this kernel stopped (or swapping) or running, no longer
+# there, or on another machine (nothing here can tell).
+STOPPED_HERE, RUNNING_HERE, GONE, ELSEWHERE = "stopped here", "running here", "gone", "elsewhere"
+# A process held by a signal, a debugger, or the kernel's wait (swapping in).
+HELD = {psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_DISK_SLEEP}
 
 
 @dataclass(frozen=True)
@@ -218,14 +220,7 @@ class Watchdog:
         reporter = self._reporter(silence)
         fates = {p: self._fate(p) for p in stalled}
         if self.elastic and ELSEWHERE not in fates.values():
-            # Under --elastic a stalled rank here is killed, and one already gone is Horovod's
-            # lost rank: its connections close, and the others go on without it.
-            for peer in stalled:
-                self.heard.pop(peer, None)
-            killed = [p for p in stalled if fates[p] == STOPPED_HERE and self._kill(p)]
-            if reporter and killed:
-                names = ", ".join(self.peers[p].describe(p) for p in killed)
-                _say(f"hvd-cpu: rank {self.rank}: {names} {self._why()}; dropped as a lost rank")
+            self._drop(stalled, fates, reporter)
             return
         # Otherwise this rank's exit ends the job, and the launcher kills the rest, the stopped
         # one included, with this rank's exit code.
@@ -268,6 +263,28 @@ class Watchdog:
         if stalled and not self._was_stopped(now):
             self._end(stalled, silence)
 
+    def _drop(self, stalled: list[int], fates: dict[int, str], reporter: bool) -> None:
+        """--elastic: kill the stalled ranks here that stand stopped (or in the kernel's wait:
+        swapping), and the others go on without them as without a killed rank. One already
+        gone is Horovod's lost rank; one that runs is not killed (during elastic's reset a
+        rank's heartbeat may pause): it is watched again from now."""
+        now = time.monotonic()
+        for peer in stalled:
+            if fates[peer] == RUNNING_HERE:
+                self.heard[peer] = now
+            else:
+                self.heard.pop(peer, None)
+                self.gone.add(peer)
+        stopped = [p for p in stalled if fates[p] == STOPPED_HERE]
+        if stopped and not reporter:
+            time.sleep(REPORTER_LEAD)  # the rank that speaks kills them; if it could not
+            stopped = [p for p in stopped if self._fate(p) == STOPPED_HERE]
+        for peer in stopped:
+            self._kill(peer)
+        if stopped:
+            names = ", ".join(self.peers[p].describe(p) for p in stopped)
+            _say(f"hvd-cpu: rank {self.rank}: {names} {self._why()}; dropped as a lost rank")
+
     def _fate(self, rank: int) -> str:
         """What became of a silent peer, as far as this rank can see."""
         peer = self.peers[rank]
@@ -275,19 +292,19 @@ class Watchdog:
             return ELSEWHERE
         try:
             process = psutil.Process(peer.pid)
-            # A pid reused since is not the peer; a zombie is a process that has ended.
-            same = abs(process.create_time() - peer.started) < 0.01
-            alive = same and process.status() != psutil.STATUS_ZOMBIE
+            if abs(process.create_time() - peer.started) >= 0.01:
+                return GONE  # the pid was reused: the peer ended
+            status = process.status()
         except psutil.Error:
             return GONE
-        return STOPPED_HERE if alive else GONE
+        if status == psutil.STATUS_ZOMBIE:
+            return GONE
+        return STOPPED_HERE if status in HELD else RUNNING_HERE
 
-    def _kill(self, rank: int) -> bool:
+    def _kill(self, rank: int) -> None:
         """Kill a stalled peer on this kernel (SIGKILL ends a stopped process too)."""
         with contextlib.suppress(psutil.Error):
             psutil.Process(self.peers[rank].pid).send_signal(signal.SIGKILL)
-            return True
-        return False
 
 
 def _say(line: str) -> None:
