@@ -190,29 +190,11 @@ def test_a_rank_killed_on_the_remote_host_ends_the_job_everywhere(
     hosts: Hosts, tmp_path: Path
 ) -> None:
     output = tmp_path / "killed"
-    command = [
-        str(BIN / "horovodrun"), "--gloo", "-np", "4", "--disable-cache", "--hostfile",
-        str(hosts.hostfile(2)), "-p", str(SSH_PORT), "-i", str(hosts.key),
-        str(BIN / "hvd-cpu"), "train", "--epochs", "1000", "--output", str(output),
-    ]  # fmt: skip
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    metrics = output / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not metrics.exists() or not metrics.read_text():
-        if job.poll() is not None or time.monotonic() > deadline:
-            job.kill()
-            pytest.fail(f"the job did not start: {job.communicate()[0].decode()}")
-        time.sleep(0.1)
-
-    ours = os.readlink("/proc/self/ns/net")
-    remote = [
-        pid for pid in hosts.processes(f"hvd-cpu train --epochs 1000 --output {output}")
-        if os.readlink(f"/proc/{pid}/ns/net") != ours and _is_python(pid)
-    ]  # fmt: skip
-    assert remote, "no rank found on the remote host"
+    job = start_over_hosts(hosts, output, "gloo")
+    wait_for_epochs(job, output, 1)
+    remote = a_remote_rank(hosts, output)
     killed_at = time.monotonic()
-    os.kill(remote[0], signal.SIGKILL)
+    os.kill(remote, signal.SIGKILL)
     try:
         job.wait(timeout=30)
     except subprocess.TimeoutExpired:
@@ -220,13 +202,43 @@ def test_a_rank_killed_on_the_remote_host_ends_the_job_everywhere(
         pytest.fail("horovodrun did not end within 30 s of losing a rank")
     assert job.returncode != 0
     assert time.monotonic() - killed_at < 30
-    deadline = time.monotonic() + 10
-    while hosts.processes(f"--output {output}") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert hosts.processes(f"--output {output}") == [], "a process of the job outlived it"
+    assert_nothing_left(hosts, output)
     printed = job.stdout.read().decode()
     assert "Traceback" not in printed
     assert "lost another rank of the job" in printed
+
+
+def start_over_hosts(hosts: Hosts, output: Path, controller: str, *extra: str) -> subprocess.Popen:
+    """horovodrun -np 4 over both hosts, 2 ranks each, training until stopped."""
+    command = [
+        str(BIN / "horovodrun"), f"--{controller}", "-np", "4", "--disable-cache", "--hostfile",
+        str(hosts.hostfile(2)), "-p", str(SSH_PORT), "-i", str(hosts.key),
+        str(BIN / "hvd-cpu"), "train", "--epochs", "1000", "--output", str(output), *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def wait_for_epochs(job: subprocess.Popen, output: Path, count: int) -> None:
+    """Until the job has written `count` epochs; fails with what it printed if it ends first."""
+    metrics = output / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < count:
+        if job.poll() is not None or time.monotonic() > deadline:
+            job.kill()
+            pytest.fail(f"the job did not start: {job.communicate()[0].decode()}")
+        time.sleep(0.1)
+
+
+def a_remote_rank(hosts: Hosts, output: Path) -> int:
+    """The pid of a rank running in a host's namespace, not in this test's."""
+    ours = os.readlink("/proc/self/ns/net")
+    remote = [
+        pid for pid in hosts.processes(f"hvd-cpu train --epochs 1000 --output {output}")
+        if os.readlink(f"/proc/{pid}/ns/net") != ours and _is_python(pid)
+    ]  # fmt: skip
+    assert remote, "no rank found on the remote host"
+    return remote[0]
 
 
 def _is_python(pid: int) -> bool:
@@ -236,6 +248,13 @@ def _is_python(pid: int) -> bool:
         return False
 
 
+def assert_nothing_left(hosts: Hosts, output: Path) -> None:
+    deadline = time.monotonic() + 10
+    while hosts.processes(f"--output {output}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert hosts.processes(f"--output {output}") == [], "a process of the job outlived it"
+
+
 def test_hosts_are_reachable_only_through_the_test_bridge(hosts: Hosts) -> None:
     """The set-up itself: no default route, so nothing a test sends leaves the machine."""
     routes = run(hosts.hosts[0].exec("ip", "route"))
@@ -243,8 +262,8 @@ def test_hosts_are_reachable_only_through_the_test_bridge(hosts: Hosts) -> None:
     assert "default" not in routes.stdout and "198.18.0.0/24 dev hvd0" in routes.stdout
 
 
-# Longer than elsewhere: 4 ranks of 2 hosts on this 2-core VM, all ranks of one host saw their
-# heartbeat threads stand still for 6.6 s at a job's start (1 run in about 15 under MPI).
+# Longer than elsewhere: 4 ranks of 2 hosts on this 2-core VM, where all ranks of one host were
+# seen to stand still for 6.6 s at a job's start (under MPI, 1 run in about 15).
 STALL_SECONDS = 15
 
 
@@ -260,29 +279,11 @@ def test_a_rank_stopped_on_the_remote_host_is_named_and_the_job_ends_everywhere(
     --stall-seconds, the job exits 1, and the launcher takes the stopped process too (hvd-cpu
     kills a stalled rank only under --elastic; these hosts share a kernel, real ones do not)."""
     output = tmp_path / "stopped"
-    command = [
-        str(BIN / "horovodrun"), f"--{controller}", "-np", "4", "--disable-cache", "--hostfile",
-        str(hosts.hostfile(2)), "-p", str(SSH_PORT), "-i", str(hosts.key),
-        str(BIN / "hvd-cpu"), "train", "--epochs", "1000", "--output", str(output),
-        "--stall-seconds", str(STALL_SECONDS),
-    ]  # fmt: skip
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    metrics = output / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
-        if job.poll() is not None or time.monotonic() > deadline:
-            job.kill()
-            pytest.fail(f"the job did not start: {job.communicate()[0].decode()}")
-        time.sleep(0.1)
-    ours = os.readlink("/proc/self/ns/net")
-    remote = [
-        pid for pid in hosts.processes(f"hvd-cpu train --epochs 1000 --output {output}")
-        if os.readlink(f"/proc/{pid}/ns/net") != ours and _is_python(pid)
-    ]  # fmt: skip
-    assert remote, "no rank found on the remote host"
-    host = run(["ip", "netns", "identify", str(remote[0])]).stdout.strip()
-    os.kill(remote[0], signal.SIGSTOP)
+    job = start_over_hosts(hosts, output, controller, "--stall-seconds", str(STALL_SECONDS))
+    wait_for_epochs(job, output, 2)
+    remote = a_remote_rank(hosts, output)
+    host = run(["ip", "netns", "identify", str(remote)]).stdout.strip()
+    os.kill(remote, signal.SIGSTOP)
     try:
         job.wait(timeout=STALL_SECONDS + 30)
     except subprocess.TimeoutExpired:
@@ -291,8 +292,5 @@ def test_a_rank_stopped_on_the_remote_host_is_named_and_the_job_ends_everywhere(
     printed = job.stdout.read().decode()
     assert job.returncode == 1, printed
     assert "Traceback" not in printed, printed
-    assert f"on {host} (pid {remote[0]}) has not answered for {STALL_SECONDS} s" in printed, printed
-    deadline = time.monotonic() + 10
-    while hosts.processes(f"--output {output}") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert hosts.processes(f"--output {output}") == [], "a process of the job outlived it"
+    assert f"on {host} (pid {remote}) has not answered for {STALL_SECONDS} s" in printed, printed
+    assert_nothing_left(hosts, output)

@@ -229,7 +229,11 @@ class Watchdog:
             + ("ended without a word (killed?)" if fates[p] == GONE else self._why())
             for p in stalled
         )
-        elsewhere = " (--elastic drops a stalled rank only on this machine's kernel)"
+        elsewhere = (
+            " (--elastic drops a stalled rank only on this machine's kernel)"
+            if self.elastic
+            else ""
+        )
         if not reporter:
             # The rank that speaks goes first: an exit here could make the launcher stop it
             # before its line is out. Still here after that, this rank speaks: that one
@@ -237,9 +241,8 @@ class Watchdog:
             time.sleep(REPORTER_LEAD)
         if not ending():  # not told to end meanwhile (the launcher ending the job)
             _say(
-                f"hvd-cpu: rank {self.rank}: {said}; ending the job"
-                f"{elsewhere if self.elastic else ''}"
-                f" (--stall-seconds {self.bound:g}); run the same command with --resume to go "
+                f"hvd-cpu: rank {self.rank}: {said}; ending the job{elsewhere} "
+                f"(--stall-seconds {self.bound:g}); run the same command with --resume to go "
                 "on from the last checkpoint"
             )
         exit_now(1)
