@@ -21,8 +21,9 @@ _quiet = False  # exit_quietly_on_signals has run
 _ending = False  # exit_now has begun: a signal from now on changes nothing
 _exit_lock = threading.Lock()
 _on_exit: list[Callable[[], None]] = []  # run however the process ends, but by SIGKILL
-# Whether this process is the failure a live rank already named (runtime/watchdog.py: it stood
-# stopped, and its launcher now ends it): then a signal ends it without a word, with code 1.
+# Whether this process's end is already explained by a live rank (runtime/watchdog.py: it stood
+# stopped and was named, or another rank named the stall): then a signal ends it without a
+# word, with code 1.
 _named_elsewhere: Callable[[], bool] = lambda: False  # noqa: E731
 
 

@@ -18,7 +18,8 @@ a daemon thread, and watches the others' datagrams:
 
 A peer is watched only once its first heartbeat has arrived: a network that blocks UDP
 between hosts turns the watch off for that peer (with one line) instead of ending healthy
-jobs. A rank that leaves normally says so with a last datagram.
+jobs. A rank that leaves normally says so with a last datagram, and the rank that names a
+stall tells the others before it exits, so that none of them names its exit a second time.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ import psutil
 from hvd_cpu.runtime.collectives import Collectives
 from hvd_cpu.runtime.lifecycle import ending, exit_now, named_elsewhere_if, on_exit
 
-# The datagram: the job's token, the sender's rank, the addressee's rank, and whether the
-# sender is leaving (a normal end: stop watching it).
-DATAGRAM = struct.Struct("!16sII?")
+# The datagram: the job's token, the sender's rank, the addressee's rank, and what the sender
+# says: a heartbeat, that it leaves normally (stop watching it), or that it has named the
+# stall that ends the job (the others end without a word).
+DATAGRAM = struct.Struct("!16sIIB")
+BEAT, LEAVING, NAMED = 0, 1, 2
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 # Seconds the ranks that see a stall but do not report it wait before they exit too (the
 # launcher usually ends them first, when the reporting rank exits).
@@ -99,6 +102,8 @@ class Watchdog:
         self.interval = min(1.0, bound / 10)
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.socket.bind(("0.0.0.0", 0))
+        self.socket.setblocking(False)  # the thread and a failed collective both read it
+        self.receiving = threading.Lock()
         me = psutil.Process()
         here = Peer(
             socket.gethostname(), reachable_addresses(), self.socket.getsockname()[1],
@@ -112,6 +117,7 @@ class Watchdog:
         self.started = self.last_tick = now
         self.heard: dict[int, float] = {}  # peer: when last heard (watched from the first)
         self.gone: set[int] = set()  # peers that left normally
+        self.named_by: int | None = None  # the peer that named the stall ending the job
         self.warned: set[int] = set()
         self.unheard_said = False
         self.stop_event = threading.Event()
@@ -129,7 +135,7 @@ class Watchdog:
         if self.stop_event.is_set():
             return
         self.stop_event.set()
-        self._send(leaving=True)
+        self._send(LEAVING)
 
     # The thread
 
@@ -145,7 +151,7 @@ class Watchdog:
                 self.warned.clear()
             self.last_tick = now
             if now >= next_beat:
-                self._send(leaving=False)
+                self._send(BEAT)
                 next_beat = now + self.interval
                 self._check(now)
             with contextlib.suppress(OSError, ValueError):
@@ -159,29 +165,45 @@ class Watchdog:
         stall is no news: a live rank named it)."""
         return self.resumed or self._was_stopped(time.monotonic())
 
+    def told_named(self) -> bool:
+        """Whether another rank has named the stall that ends this job (reading what has
+        arrived: a failed collective may get here before this rank's thread has)."""
+        self._receive()
+        return self.named_by is not None
+
     def _was_stopped(self, now: float) -> bool:
         """Whether this thread missed several beats: the whole process stood still."""
         return now - self.last_tick > max(3 * self.interval, self.bound / 4)
 
-    def _send(self, leaving: bool) -> None:
+    def _send(self, what: int) -> None:
         for rank, peer in self.peers.items():
-            datagram = DATAGRAM.pack(self.token, self.rank, rank, leaving)
+            datagram = DATAGRAM.pack(self.token, self.rank, rank, what)
             for address in peer.addresses:
                 with contextlib.suppress(OSError):  # unreachable from here: another one is
                     self.socket.sendto(datagram, (address, peer.port))
 
     def _receive(self) -> None:
-        data = self.socket.recv(DATAGRAM.size + 1)
-        if len(data) != DATAGRAM.size:
-            return
-        token, sender, addressee, leaving = DATAGRAM.unpack(data)
+        """Take in every datagram that has arrived."""
+        with self.receiving:
+            while True:
+                try:
+                    data = self.socket.recv(DATAGRAM.size + 1)
+                except OSError:  # nothing more has arrived (or the socket is closed)
+                    return
+                if len(data) == DATAGRAM.size:
+                    self._take(*DATAGRAM.unpack(data))
+
+    def _take(self, token: bytes, sender: int, addressee: int, what: int) -> None:
         if token != self.token or addressee != self.rank or sender not in self.peers:
             return
-        if leaving:
-            self.gone.add(sender)
-            self.heard.pop(sender, None)
-        elif sender not in self.gone:
-            self.heard[sender] = time.monotonic()
+        if what == BEAT:
+            if sender not in self.gone:
+                self.heard[sender] = time.monotonic()
+            return
+        self.gone.add(sender)
+        self.heard.pop(sender, None)
+        if what == NAMED:
+            self.named_by = sender
 
     def _check(self, now: float) -> None:
         unheard = set(self.peers) - set(self.heard) - self.gone
@@ -239,7 +261,10 @@ class Watchdog:
             # before its line is out. Still here after that, this rank speaks: that one
             # could not (its own heartbeat stood still too).
             time.sleep(REPORTER_LEAD)
-        if not ending():  # not told to end meanwhile (the launcher ending the job)
+        if not ending() and not self.told_named():
+            # Not told to end meanwhile (by the launcher ending the job, or by a rank that
+            # named the stall): say why the job ends, and tell the others it is said.
+            self._send(NAMED)
             _say(
                 f"hvd-cpu: rank {self.rank}: {said}; ending the job{elsewhere} "
                 f"(--stall-seconds {self.bound:g}); run the same command with --resume to go "
@@ -263,6 +288,8 @@ class Watchdog:
             for p, seconds in silence.items()
             if seconds >= self.bound / 4 and self._fate(p) != GONE
         )  # a peer gone is the lost rank the caller names
+        if self.told_named():
+            exit_now(1)  # another rank named the stall, and its exit failed the collective
         if stalled and not self._was_stopped(now):
             self._end(stalled, silence)
 
@@ -330,7 +357,9 @@ def watch(rank: int, size: int, collectives: Collectives, bound: float, elastic:
         if not _hooked:
             _hooked = True
             on_exit(stop)
-            named_elsewhere_if(lambda: _current is not None and _current.stood_stopped())
+            named_elsewhere_if(
+                lambda: _current is not None and (_current.stood_stopped() or _current.told_named())
+            )
 
 
 def stop() -> None:
