@@ -4,7 +4,7 @@
 #   docker build -t hvd-cpu .
 #   docker run --rm hvd-cpu              # the demo: horovodrun --gloo -np 4 hvd-cpu train
 #   docker run --rm -v "$PWD/data:/data" hvd-cpu horovodrun --gloo -np 4 hvd-cpu train --data /data/frame.parquet
-#   docker run --rm hvd-cpu horovodrun --mpi -np 2 hvd-cpu train --allreduce direct  # MPI
+#   docker run --rm hvd-cpu horovodrun --mpi -np 2 hvd-cpu train                     # MPI
 #   docker run --rm hvd-cpu mpirun -np 2 hvd-cpu train                               # MPI
 #
 # Name the controller: plain `horovodrun` picks MPI when it is built in, as here, and MPI pays

@@ -84,8 +84,8 @@ def fit(
     `options` are the other fields of TrainConfig (the long option names of `hvd-cpu train`
     with underscores: epochs=20, batch_size=256, val_fraction=0.2, output="runs/x", ...).
     `hosts` is horovodrun's -H ("host1:2,host2:2"); by default all ranks run here.
-    `controller` is "gloo" or "mpi" (Open MPI's shared memory between the ranks of a host;
-    with allreduce="direct" and at most one rank per core, the fastest here: README).
+    `controller` is "gloo" or "mpi" (Open MPI's shared memory between the ranks of a host,
+    where gradients are averaged by one MPI allreduce per step: the fastest here, README).
     With `comm`, an mpi4py communicator of your own program, nothing is launched: every
     process of `comm` calls fit and trains as one rank of it (np, hosts and controller unused).
     Raises InputError for bad input, with the same message the command line prints, and

@@ -43,19 +43,20 @@ def gloo_run(demo_parquet: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     """The card's shape, `horovodrun --gloo -np 2`: the reference the MPI runs must match."""
     output = tmp_path_factory.mktemp("gloo") / "run"
     job = ok(horovodrun(2, "train", "--data", str(demo_parquet), *ARGS, "--output", str(output)))
-    assert "controller               Gloo; gradients averaged by hvd.DistributedOptimizer" in (
-        job.stdout
-    )
+    summary = "Gloo; gradients averaged by hvd.DistributedOptimizer (auto: Gloo has no direct"
+    assert f"controller               {summary}" in job.stdout
     assert {r["controller"] for r in ranks(output)} == {"gloo"}
     return output
 
 
+# The default (--allreduce auto) averages directly under MPI.
+DIRECT_BY_DEFAULT = "gradients averaged by one MPI allreduce per step (auto: the fastest under MPI)"
 LAUNCHES = [
-    ("horovodrun --mpi", "MPI; gradients averaged by hvd.DistributedOptimizer"),
-    ("mpirun", "MPI; gradients averaged by hvd.DistributedOptimizer"),
+    ("horovodrun --mpi", f"MPI; {DIRECT_BY_DEFAULT}"),
+    ("mpirun", f"MPI; {DIRECT_BY_DEFAULT}"),
     (
-        "horovodrun --mpi --allreduce direct",
-        "MPI; gradients averaged by one MPI allreduce per step (direct)",
+        "horovodrun --mpi --allreduce horovod",
+        "MPI; gradients averaged by hvd.DistributedOptimizer (--allreduce horovod)",
     ),
 ]
 
@@ -75,6 +76,7 @@ def test_mpi_trains_the_same_parameters_as_gloo(
     assert [r for r, _ in epoch_lines] == [0, 0], "only rank 0 prints"
     reports = ranks(tmp_path)
     assert [r["controller"] for r in reports] == ["mpi", "mpi"]
+    assert {f"MPI; {r['sync']}" for r in reports} == {summary}
     assert len({r["param_sha256"] for r in reports}) == 1
     assert_same_parameters(tmp_path, gloo_run)
 

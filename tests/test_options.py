@@ -120,19 +120,21 @@ def test_a_recorded_config_file_reads_back_as_the_config(
 
 
 @pytest.mark.parametrize(
-    ("config", "setting"),
+    ("config", "setting", "allreduce"),
     [
-        (CONFIGS[0], bench_tool.Setting(4, 1, 128, 1, "mpi", "direct")),
-        (CONFIGS[1], bench_tool.Setting(2, 3, 64, 1, "gloo")),
-        (CONFIGS[1], bench_tool.Setting(1, 1, 32, 1)),
+        (CONFIGS[0], bench_tool.Setting(4, 1, 128, 1, "mpi", "direct"), "auto"),
+        (CONFIGS[0], bench_tool.Setting(2, 1, 128, 1, "mpi", "horovod"), "horovod"),
+        (CONFIGS[1], bench_tool.Setting(2, 3, 64, 1, "gloo"), "auto"),
+        (CONFIGS[1], bench_tool.Setting(1, 1, 32, 1), "auto"),
     ],
 )
 def test_bench_s_recommended_command_trains_as_measured(
-    config: TrainConfig, setting: bench_tool.Setting
+    config: TrainConfig, setting: bench_tool.Setting, allreduce: str
 ) -> None:
     """Its `hvd-cpu train` words parse back to the benchmarked config with the setting's batch,
-    sync, allreduce and threads (left out when train picks the same), and the output,
-    progress, validation and epoch lines of a plain run."""
+    sync, allreduce and threads (left out when train picks the same: --allreduce auto is
+    direct under MPI, Horovod's under Gloo), and the output, progress, validation and epoch
+    lines of a plain run."""
     words = shlex.split(bench_tool.command_line(setting, config, cores=4))
     launcher = ["horovodrun", f"--{setting.controller}", "-np", str(setting.processes)]
     start = words.index("hvd-cpu")
@@ -142,7 +144,7 @@ def test_bench_s_recommended_command_trains_as_measured(
         config,
         batch_size=setting.batch_size,
         sync_every=setting.sync_every,
-        allreduce=setting.allreduce,
+        allreduce=allreduce,
         threads=None
         if setting.threads == default_threads(setting.processes, 4)
         else setting.threads,

@@ -93,9 +93,9 @@ def test_the_table_of_several_ranks_says_how_long_they_waited_and_how_they_kept_
 @pytest.mark.parametrize(
     ("options", "controller", "cheaper"),
     [
-        ({}, "gloo", "(horovodrun --mpi with --allreduce direct and one rank per core, a larger"),
-        ({}, "mpi", "(--allreduce direct, a larger --batch-size"),
-        ({"allreduce": "direct"}, "mpi", "(a larger --batch-size"),
+        ({}, "gloo", "(horovodrun --mpi with one rank per core, a larger"),
+        ({"allreduce": "horovod"}, "mpi", "(--allreduce auto, a larger --batch-size"),
+        ({}, "mpi", "(a larger --batch-size"),
     ],
 )
 def test_advice_comes_only_past_half_the_time_waiting_and_names_the_cheaper_path(

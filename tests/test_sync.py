@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from hvd_cpu.config.options import TrainConfig
+from hvd_cpu.config.options import TrainConfig, resolve_allreduce
 from hvd_cpu.errors import InputError
 from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.collectives import Alone
@@ -31,8 +31,11 @@ class Halving(Alone):
         return tensor.mul_(0.5)
 
 
-def world_of(size: int, collectives: Alone) -> World:
-    return World(0, size, 0, size, 1, collectives)
+def world_of(size: int, collectives: Alone, config: TrainConfig | None = None) -> World:
+    """A job of `size` over `collectives`, its --allreduce resolved as init resolves it."""
+    mpi = collectives.in_calling_thread
+    averaging = resolve_allreduce((config or TrainConfig()).allreduce, mpi=mpi)
+    return World(0, size, 0, size, 1, collectives, "mpi" if mpi else "gloo", averaging)
 
 
 def model() -> nn.Module:
@@ -69,10 +72,34 @@ def test_direct_averaging_steps_on_the_average_of_the_gradients_backward_wrote()
         assert torch.equal(ours, theirs)
 
 
-def test_direct_averaging_refuses_parameters_of_two_dtypes() -> None:
-    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1).double())
-    with pytest.raises(InputError, match="one dtype"):
-        sync.DirectAveraging(torch.optim.SGD(net.parameters(), lr=0.1), net, Halving())
+class Mixed(nn.Module):
+    """Parameters of three dtypes, one of which (bfloat16) MPI cannot sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 4).double()
+        self.c = nn.Linear(4, 1).bfloat16()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x).double()).bfloat16()).float()
+
+
+def test_direct_averaging_carries_each_dtype_in_a_buffer_of_its_own() -> None:
+    """One collective per dtype; bfloat16 travels as float32 (MPI has no sum of it) and comes
+    back into the gradients backward wrote."""
+    net, reference, halving = Mixed(), Mixed(), Halving()
+    strategy = sync.DirectAveraging(torch.optim.SGD(net.parameters(), lr=0.0), net, halving)
+    strategy.zero_grad()
+    backward(net, 1)
+    backward(reference, 1)
+    strategy.step(1)
+    assert [given.dtype for _, given in halving.averaged] == [
+        torch.float32, torch.float64, torch.float32
+    ]  # fmt: skip
+    for ours, theirs in zip(net.parameters(), reference.parameters(), strict=True):
+        assert ours.grad.dtype == theirs.dtype
+        assert torch.equal(ours.grad, theirs.grad * 0.5)
 
 
 def test_local_sgd_averages_the_parameters_every_k_steps_and_at_the_epoch_end() -> None:
@@ -101,18 +128,39 @@ def test_local_sgd_averages_the_parameters_every_k_steps_and_at_the_epoch_end() 
 @pytest.mark.parametrize(
     ("options", "size", "expected"),
     [
+        ({}, 2, sync.DirectAveraging),  # auto, under MPI
         ({"sync_every": 4}, 2, sync.LocalSGD),
         ({"allreduce": "direct"}, 2, sync.DirectAveraging),
         ({"sync_every": 4, "allreduce": "direct"}, 2, sync.LocalSGD),
     ],
 )
 def test_the_options_choose_the_strategy(options: dict, size: int, expected: type) -> None:
-    net = model()
+    """Under MPI (a backend that runs in the calling thread); the summary says why."""
+    net, config = model(), TrainConfig(**options)
     chosen = sync.choose(
-        TrainConfig(**options), torch.optim.SGD(net.parameters(), lr=0.1), net,
-        world_of(size, Halving()),
-    )  # fmt: skip
+        config, torch.optim.SGD(net.parameters(), lr=0.1), net, world_of(size, Halving(), config)
+    )
     assert type(chosen) is expected
+    if expected is sync.DirectAveraging:
+        why = "--allreduce direct" if options else "auto: the fastest under MPI"
+        assert chosen.described == f"gradients averaged by one MPI allreduce per step ({why})"
+
+
+@pytest.mark.parametrize(
+    ("requested", "mpi", "allreduce"),
+    [
+        ("auto", True, "direct"),
+        ("auto", False, "horovod"),  # the card's DistributedOptimizer: Gloo has no direct path
+        ("horovod", True, "horovod"),
+        ("direct", False, "direct"),  # asked for: choose() refuses it in one line
+    ],
+)
+def test_auto_is_direct_under_mpi_and_horovods_optimizer_under_gloo(
+    requested: str, mpi: bool, allreduce: str
+) -> None:
+    averaging = resolve_allreduce(requested, mpi=mpi)
+    assert averaging.allreduce == allreduce
+    assert averaging.why.startswith("auto: " if requested == "auto" else f"--allreduce {requested}")
 
 
 def test_the_direct_allreduce_needs_a_backend_that_runs_in_the_calling_thread() -> None:
@@ -120,7 +168,7 @@ def test_the_direct_allreduce_needs_a_backend_that_runs_in_the_calling_thread() 
     with pytest.raises(InputError, match="--allreduce direct needs the MPI controller"):
         sync.choose(
             TrainConfig(allreduce="direct"), torch.optim.SGD(net.parameters(), lr=0.1), net,
-            world_of(2, Halving(in_calling_thread=False)),
+            world_of(2, Halving(in_calling_thread=False), TrainConfig(allreduce="direct")),
         )  # fmt: skip
 
 

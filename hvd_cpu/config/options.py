@@ -27,9 +27,31 @@ CONTROLLER_NAMES = {"mpi": "MPI", "gloo": "Gloo"}
 
 
 def steps_use_horovod(allreduce: str, sync_every: int) -> bool:
-    """Whether training steps go through Horovod (its DistributedOptimizer); when none does,
-    Horovod's background thread can cycle slowly (runtime/horovod.py, IDLE_CYCLE_MS)."""
+    """Whether training steps go through Horovod (its DistributedOptimizer), for a resolved
+    `allreduce` (horovod or direct); when none does, Horovod's background thread can cycle
+    slowly (runtime/horovod.py, IDLE_CYCLE_MS)."""
     return allreduce == "horovod" and sync_every == 1
+
+
+@dataclass(frozen=True)
+class Averaging:
+    """How a job averages gradients every step (--allreduce, `auto` resolved: horovod or
+    direct) and why: the summary and ranks.json say both."""
+
+    allreduce: str
+    why: str
+
+
+def resolve_allreduce(requested: str, mpi: bool) -> Averaging:
+    """What --allreduce means for this job: `auto` is the fastest exact average measured here
+    (docs/measurements.md): under MPI, one MPI allreduce per step from the training thread
+    (direct), also with more ranks than cores; under Gloo, Horovod's DistributedOptimizer
+    (direct needs MPI)."""
+    if requested != "auto":
+        return Averaging(requested, f"--allreduce {requested}")
+    if mpi:
+        return Averaging("direct", "auto: the fastest under MPI")
+    return Averaging("horovod", "auto: Gloo has no direct allreduce")
 
 
 # --loss by name (losses.py builds them); anything with a ":" is the user's MODULE:FN.
@@ -39,7 +61,7 @@ LOSS_NAMES = ("mse", "l1", "huber")
 CHOICES = {
     "task": ("regression", "classification"),
     "activation": ("none", "relu", "gelu"),
-    "allreduce": ("horovod", "direct"),
+    "allreduce": ("auto", "horovod", "direct"),
     "format": (None, *FORMATS),
 }
 
@@ -198,12 +220,13 @@ class TrainConfig:
     )
     # How gradients are averaged every step: "horovod", hvd.DistributedOptimizer (Horovod's
     # background thread, either controller); "direct", one MPI_Allreduce of all gradients in
-    # the training thread (MPI controller only: much less per-step overhead, see README).
-    allreduce: Literal["horovod", "direct"] = option(
-        "horovod",
+    # the training thread (MPI controller only: much less per-step overhead, see README);
+    # "auto", the faster of the two for the job's controller (resolve_allreduce).
+    allreduce: Literal["auto", "horovod", "direct"] = option(
+        "auto",
         help="How gradients are averaged each step: horovod, hvd.DistributedOptimizer; direct, "
         "one MPI allreduce of all gradients from the training loop (MPI controller only; far "
-        "less overhead per step).",
+        "less overhead per step); auto, direct under MPI and horovod under Gloo.",
         type=click.Choice(CHOICES["allreduce"]),
     )
     # output
@@ -388,10 +411,6 @@ class TrainConfig:
             raise InputError(
                 "--elastic runs over Gloo and --allreduce direct needs MPI: leave out one of them"
             )
-
-    @property
-    def horovod_steps(self) -> bool:
-        return steps_use_horovod(self.allreduce, self.sync_every)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (paths as strings), for checkpoints and the exported model."""

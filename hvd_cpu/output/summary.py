@@ -54,11 +54,9 @@ def waiting_advice(
     waiting = waiting_share(state)
     if world_size == 1 or waiting <= WAITING_HINT:
         return None
-    cheaper = {"gloo": "horovodrun --mpi with --allreduce direct and one rank per core, "}.get(
-        controller, ""
-    )
-    if controller == "mpi" and config.allreduce != "direct":
-        cheaper = "--allreduce direct, "
+    cheaper = {"gloo": "horovodrun --mpi with one rank per core, "}.get(controller, "")
+    if controller == "mpi" and config.allreduce == "horovod":
+        cheaper = "--allreduce auto, "
     return (
         f"hvd-cpu: the ranks waited for each other {waiting:.0%} of the time: cheaper or "
         f"fewer synchronisations pay here ({cheaper}a larger --batch-size, --sync-every "

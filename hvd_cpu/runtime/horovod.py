@@ -31,7 +31,12 @@ import torch
 from horovod.common.elastic import State, notification_manager
 from horovod.common.exceptions import HostsUpdatedInterrupt
 
-from hvd_cpu.config.options import CONTROLLER_NAMES
+from hvd_cpu.config.options import (
+    CONTROLLER_NAMES,
+    Averaging,
+    resolve_allreduce,
+    steps_use_horovod,
+)
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.runtime import watchdog
 from hvd_cpu.runtime.collectives import Alone, Collectives
@@ -54,6 +59,8 @@ MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 # When no step needs it (--allreduce direct, local SGD over MPI) a long cycle keeps it from
 # taking the training thread's core a thousand times a second.
 IDLE_CYCLE_MS = "100"
+# --elastic runs over Gloo (options.py refuses --allreduce direct with it).
+ELASTIC_AVERAGING = Averaging("horovod", "--elastic runs over Gloo")
 # Raised by a collective when another rank has gone (crashed, killed, host lost).
 PeerLost = hvd.HorovodInternalError
 
@@ -69,6 +76,7 @@ class World:
     threads: int
     collectives: Collectives
     controller: str = "gloo"  # "mpi" or "gloo": who carries Horovod's collectives
+    averaging: Averaging = ELASTIC_AVERAGING  # how steps average gradients, and why
 
     @property
     def is_root(self) -> bool:
@@ -85,7 +93,8 @@ class World:
 def init(
     threads: int | None = None,
     comm: Any = None,
-    horovod_steps: bool = True,
+    allreduce: str = "auto",
+    sync_every: int = 1,
     stall_seconds: float = 0.0,
 ) -> World:
     """Join the job (a job of one without a launcher) and give this rank its share of cores.
@@ -93,7 +102,8 @@ def init(
     Under an MPI launcher, or on `comm` (an mpi4py communicator of a program of your own),
     Horovod runs its MPI controller; otherwise Gloo's. Without a thread budget every rank
     would start one thread per core, and N ranks on N cores would fight over N x N threads.
-    `horovod_steps=False` says no training step will use Horovod (see IDLE_CYCLE_MS). With
+    `allreduce` (--allreduce) is resolved here, as world.averaging: when, with `sync_every`,
+    no training step will use Horovod, its cycle slows (IDLE_CYCLE_MS) before it starts. With
     `stall_seconds`, a rank silent that long ends the job (runtime/watchdog.py; under
     --elastic the watch starts in elastic_world).
     """
@@ -110,7 +120,8 @@ def init(
             )
         yield_when_oversubscribed()
         comm = checked_communicator(comm)
-        if not horovod_steps:
+        averaging = resolve_allreduce(allreduce, mpi=True)
+        if not steps_use_horovod(averaging.allreduce, sync_every):
             os.environ.setdefault("HOROVOD_CYCLE_TIME", IDLE_CYCLE_MS)
         hvd.init(comm=comm)
         mpi = comm
@@ -119,26 +130,29 @@ def init(
         # singleton MPI runtime for nothing).
         os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
         os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
+        averaging = resolve_allreduce(allreduce, mpi=False)
         hvd.init()
     # A job of one exchanges nothing: each collective through Horovod's cycle would cost
     # milliseconds, and a fit makes dozens of them.
     collectives: Collectives = Alone()
     if hvd.size() > 1:
         collectives = HorovodCollectives() if mpi is None else MpiCollectives(mpi.Dup())
-    world = _world(threads, hvd.local_size(), collectives)
+    world = _world(threads, hvd.local_size(), collectives, averaging)
     if not elastic_launched():
         watchdog.watch(world.rank, world.size, collectives, stall_seconds, elastic=False)
     return world
 
 
-def _world(threads: int | None, ranks_here: int, collectives: Collectives) -> World:
+def _world(
+    threads: int | None, ranks_here: int, collectives: Collectives, averaging: Averaging
+) -> World:
     """The World, with this rank's share of the machine's cores unless `threads` is fixed."""
     controller = "mpi" if hvd.mpi_enabled() else "gloo"
     threads = threads or default_threads(ranks_here)
     torch.set_num_threads(threads)
     return World(
         hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), threads, collectives,
-        controller,
+        controller, averaging,
     )  # fmt: skip
 
 
@@ -292,7 +306,8 @@ def elastic_world(threads: int | None, stall_seconds: float) -> World:
     """
     here = socket.gethostname()
     collectives = HorovodCollectives()
-    world = _world(threads, collectives.gather(here, "machine_names").count(here), collectives)
+    ranks_here = collectives.gather(here, "machine_names").count(here)
+    world = _world(threads, ranks_here, collectives, ELASTIC_AVERAGING)
     watchdog.watch(world.rank, world.size, collectives, stall_seconds, elastic=True)
     return world
 

@@ -25,7 +25,13 @@ from typing import Any
 import torch
 
 from hvd_cpu.config.cli_options import command_words
-from hvd_cpu.config.options import CONTROLLER_NAMES, TrainConfig, steps_use_horovod
+from hvd_cpu.config.options import (
+    CONTROLLER_NAMES,
+    Averaging,
+    TrainConfig,
+    resolve_allreduce,
+    steps_use_horovod,
+)
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.cores import default_threads
@@ -140,7 +146,8 @@ def _measure_on_rank(
 ) -> tuple[list[Measurement], float] | None:
     """Run on every rank: train each setting (all with the same threads) from the same start.
     Rank 0 returns the measurements and the time of the first step (to measure the launch)."""
-    world = horovod.init(settings[0].threads, horovod_steps=settings[0].horovod_steps)
+    first = settings[0]
+    world = horovod.init(first.threads, allreduce=first.allreduce, sync_every=first.sync_every)
     prepared = prepare(train_config, world)
     first_step = time.time()
     measurements = []
@@ -151,7 +158,8 @@ def _measure_on_rank(
             sync_every=setting.sync_every,
             allreduce=setting.allreduce,
         )
-        trainer = build_trainer(config, world, prepared, copy.deepcopy(prepared.model))
+        averaged = replace(world, averaging=Averaging(setting.allreduce, "bench"))
+        trainer = build_trainer(config, averaged, prepared, copy.deepcopy(prepared.model))
         trainer.restore(None)
         for _ in range(epochs):
             metrics = trainer.run_epoch(None)
@@ -305,7 +313,7 @@ def command_line(setting: Setting, train_config: TrainConfig, cores: int) -> str
         train_config,
         batch_size=setting.batch_size,
         sync_every=setting.sync_every,
-        allreduce=setting.allreduce if setting.processes > 1 else "horovod",
+        allreduce=_allreduce_option(setting),
         threads=setting.threads,
         val_fraction=TrainConfig.val_fraction,
         quiet=False,
@@ -322,6 +330,14 @@ def command_line(setting: Setting, train_config: TrainConfig, cores: int) -> str
             continue
         words += command_words(field.name, value)
     return shlex.join(words)
+
+
+def _allreduce_option(setting: Setting) -> str:
+    """--allreduce for `setting`: auto where auto picks the same (or nothing is averaged)."""
+    auto = resolve_allreduce("auto", mpi=setting.controller == "mpi")
+    if setting.processes == 1 or setting.sync_every > 1 or setting.allreduce == auto.allreduce:
+        return "auto"
+    return setting.allreduce
 
 
 def table(report: dict[str, Any]) -> str:

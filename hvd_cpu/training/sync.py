@@ -3,14 +3,16 @@ optimizer classes are), chosen once by `choose`. A new strategy is one new subcl
 
 - `HorovodAveraging` (the default): Horovod's DistributedOptimizer averages every gradient
   each step, on its background thread, as backward produces them (either controller).
-- `DirectAveraging` (--allreduce direct): the gradients live in one flat buffer (each
-  parameter's .grad is a view into it), averaged by one collective from the training thread:
-  no copies, none of Horovod's per-step cycle (MPI controller only; runtime/mpi.py says why).
+- `DirectAveraging` (--allreduce direct, and auto's choice under MPI): the gradients live in
+  one flat buffer per dtype (each parameter's .grad is a view into it), averaged by one
+  collective from the training thread: no copies, none of Horovod's per-step cycle (MPI
+  controller only; runtime/mpi.py says why).
 - `LocalSGD` (--sync-every K > 1): each rank steps on its own batches; the parameters are
   averaged every K steps and at the end of each epoch: K times fewer waits.
 
-A strategy that steps without Horovod's cycle also answers False in config's
-`steps_use_horovod` (which slows that cycle down before any strategy exists).
+Which averaging runs every step was resolved when the rank joined (world.averaging: --allreduce
+auto decided there); a strategy that steps without Horovod's cycle also answers False in
+config's `steps_use_horovod` (which slows that cycle down before any strategy exists).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.errors import InputError
 from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.collectives import Collectives
+
+# Parameter dtypes MPI cannot sum (numpy has no bfloat16; MPI no float16 sum).
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class GradientSync(ABC):
@@ -62,33 +67,36 @@ class HorovodAveraging(GradientSync):
 
 
 class DirectAveraging(GradientSync):
-    described = "gradients averaged by one MPI allreduce per step (direct)"
+    described = "gradients averaged by one MPI allreduce per step"
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, collectives: Collectives
     ) -> None:
         super().__init__(optimizer)
         params = [p for p in model.parameters() if p.requires_grad]
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            raise InputError(
-                f"--allreduce direct needs parameters of one dtype, the model has {dtypes}; "
-                "use --allreduce horovod"
-            )
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=dtypes.pop())
-        offset = 0
-        for p in params:
-            # Backward accumulates into an existing .grad in place, so it writes here.
-            p.grad = self.flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+        self.buffers: list[torch.Tensor] = []  # one per dtype, in the model's order
+        for dtype in dict.fromkeys(p.dtype for p in params):
+            group = [p for p in params if p.dtype == dtype]
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype)
+            offset = 0
+            for p in group:
+                # Backward accumulates into an existing .grad in place, so it writes here.
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+            self.buffers.append(flat)
         self.collectives = collectives
 
     def zero_grad(self) -> None:
-        self.flat.zero_()  # never None: the gradients are views of the buffer
+        for flat in self.buffers:
+            flat.zero_()  # never None: the gradients are views of the buffers
 
     def step(self, steps_taken: int) -> float:
         start = time.perf_counter()
-        self.collectives.average_(self.flat, "gradients")
+        for flat in self.buffers:
+            if flat.dtype in HALF_DTYPES:  # MPI has no sum of these: summed as float32
+                flat.copy_(self.collectives.average_(flat.float(), "gradients"))
+            else:
+                self.collectives.average_(flat, "gradients")
         waited = time.perf_counter() - start
         self.optimizer.step()
         return waited
@@ -137,13 +145,19 @@ def choose(
 ) -> GradientSync:
     """The strategy the options ask for. A job of one takes Horovod's whatever they say: with
     nobody to wait for, its average is the gradient itself."""
-    if world.size > 1 and config.sync_every > 1:
+    if world.size == 1:
+        return HorovodAveraging(optimizer, model)
+    if config.sync_every > 1:
         return LocalSGD(optimizer, model, world.collectives, config.sync_every)
-    if world.size > 1 and config.allreduce == "direct":
+    chosen: GradientSync
+    if world.averaging.allreduce == "direct":
         if not world.collectives.in_calling_thread:
             raise InputError(
                 "--allreduce direct needs the MPI controller: launch with horovodrun --mpi "
                 "or mpirun, or leave out --allreduce direct"
             )
-        return DirectAveraging(optimizer, model, world.collectives)
-    return HorovodAveraging(optimizer, model)
+        chosen = DirectAveraging(optimizer, model, world.collectives)
+    else:
+        chosen = HorovodAveraging(optimizer, model)
+    chosen.described = f"{chosen.described} ({world.averaging.why})"
+    return chosen

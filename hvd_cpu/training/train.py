@@ -33,7 +33,9 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
     the processes of `comm`, an mpi4py communicator, are one job over MPI)."""
     if config.elastic:
         elastic.check_launched()
-    world = horovod.init(config.threads, comm, config.horovod_steps, config.stall_seconds)
+    world = horovod.init(
+        config.threads, comm, config.allreduce, config.sync_every, config.stall_seconds
+    )
     try:
         prepared = prepare(config, world)  # rank 0 takes the output folder here
         trainer = build_trainer(config, world, prepared, prepared.model)

@@ -230,6 +230,7 @@ def rank_report(world: World, trainer: Trainer, first_step_unix: float) -> dict[
         "pid": os.getpid(),
         "threads": world.threads,
         "controller": world.controller,
+        "sync": trainer.sync.described,
         "shard_rows": len(trainer.batches.sampler),
         "rows_read": len(trainer.batches.x),  # encoded here: all rows, or its own (--shard-read)
         "epochs_run": trainer.state.epoch,
