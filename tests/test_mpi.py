@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hvd_cpu.runtime import startup
+
 from .jobs import BIN, REPO, Run, horovodrun, mpirun, ranks, run, skip_without_mpi, slow_except
 
 ARGS = ["--epochs", "2", "--no-shuffle", "--val-fraction", "0.1"]
@@ -77,6 +79,11 @@ def test_mpi_trains_the_same_parameters_as_gloo(
     reports = ranks(tmp_path)
     assert [r["controller"] for r in reports] == ["mpi", "mpi"]
     assert {f"MPI; {r['sync']}" for r in reports} == {summary}
+    for report in reports:  # where each rank's start went, phase by phase, in order
+        phases = report["start_seconds"]
+        assert tuple(phases) == startup.PHASES, phases
+        assert 0 < phases["imported"] <= phases["joined"] <= phases["prepared"], phases
+        assert phases["prepared"] <= phases["first_step"], phases
     assert len({r["param_sha256"] for r in reports}) == 1
     assert_same_parameters(tmp_path, gloo_run)
 

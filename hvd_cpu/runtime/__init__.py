@@ -7,5 +7,6 @@ what ranks exchange; each backend is a subclass (Horovod's in horovod.py, MPI's 
 job of one in collectives.py): a new backend is one new subclass, chosen in horovod.init.
 cores.py gives each rank its share of cores; lifecycle.py signals, exit codes, parent death;
 watchdog.py heartbeats between the ranks, so a rank that stops answering ends the job;
-driver.py runs Horovod's launcher for fit() in a child process (the caller keeps its Ctrl-C).
+driver.py runs Horovod's launcher for fit() in a child process (the caller keeps its Ctrl-C);
+startup.py notes when the rank reaches each phase of its start (ranks.json's start_seconds).
 """

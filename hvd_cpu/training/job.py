@@ -14,6 +14,7 @@ from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.output.model_files import CHECKPOINT, MODEL, Checkpoint, ModelFile
 from hvd_cpu.output.records import Records
+from hvd_cpu.runtime import startup
 from hvd_cpu.runtime.horovod import World
 from hvd_cpu.training.prepare import Prepared
 from hvd_cpu.training.state import EpochMetrics
@@ -65,6 +66,7 @@ class Job:
         """The epochs left, then the results."""
         trainer, config = self.trainer, self.config
         self.first_step_unix = self.first_step_unix or time.time()
+        startup.reached("first_step")
         while not trainer.done():
             epoch = trainer.state.epoch + 1
             progress = self.records.progress(epoch, len(trainer.batches)) if world.is_root else None

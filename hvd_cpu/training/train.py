@@ -12,7 +12,7 @@ from torch import nn
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.output import lock
-from hvd_cpu.runtime import horovod, watchdog
+from hvd_cpu.runtime import horovod, startup, watchdog
 from hvd_cpu.training import elastic
 from hvd_cpu.training.job import Job
 from hvd_cpu.training.prepare import prepare
@@ -31,14 +31,17 @@ class TrainResult:
 def train(config: TrainConfig, comm: Any = None) -> TrainResult:
     """Train as configured; call on every rank of the job (a plain process is a job of one,
     the processes of `comm`, an mpi4py communicator, are one job over MPI)."""
+    startup.reached("imported")
     if config.elastic:
         elastic.check_launched()
     world = horovod.init(
         config.threads, comm, config.allreduce, config.sync_every, config.stall_seconds
     )
+    startup.reached("joined")
     try:
         prepared = prepare(config, world)  # rank 0 takes the output folder here
         trainer = build_trainer(config, world, prepared, prepared.model)
+        startup.reached("prepared")
         job = Job(config, prepared, trainer)
         try:
             if config.elastic:

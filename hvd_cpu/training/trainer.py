@@ -26,6 +26,7 @@ from hvd_cpu.model.networks import parameter_digest
 from hvd_cpu.model.optim import adam
 from hvd_cpu.output.console import Progress
 from hvd_cpu.output.model_files import Checkpoint
+from hvd_cpu.runtime import startup
 from hvd_cpu.runtime.horovod import World
 from hvd_cpu.training import sync
 from hvd_cpu.training.prepare import Prepared
@@ -235,6 +236,7 @@ def rank_report(world: World, trainer: Trainer, first_step_unix: float) -> dict[
         "rows_read": len(trainer.batches.x),  # encoded here: all rows, or its own (--shard-read)
         "epochs_run": trainer.state.epoch,
         "first_step_unix": round(first_step_unix, 3),
+        "start_seconds": startup.seconds_since_start(),  # from the process's start, by phase
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "param_sha256": parameter_digest(trainer.model),
     }
