@@ -56,3 +56,18 @@ def test_memory_benchmark_writes_its_table(tmp_path: Path) -> None:
     assert [row[2].strip() for row in rows] == ["20,000", "10,000, 10,000"]
     assert all(float(peak.replace(",", "")) > 0 for row in rows for peak in row[5].split(", "))
     assert len(list((tmp_path / "cache").glob("*.parquet"))) == 1  # the table, cached
+
+
+def test_startup_benchmark_times_each_phase_in_order(tmp_path: Path) -> None:
+    done = run(
+        [sys.executable, str(REPO / "benchmarks" / "startup.py"), "--np", "2", "--runs", "1",
+         "--output", str(tmp_path)],
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split("|")[1:3] for line in done.stdout.splitlines()[2:]]
+    seconds = {name.strip(): float(value) for name, value in rows}
+    launch, *phases = seconds
+    assert launch == "launch to first step" and seconds[launch] > 0, seconds
+    reached = [seconds[phase] for phase in phases]
+    assert len(reached) == 4 and reached[0] > 0 and reached == sorted(reached), seconds
