@@ -4,12 +4,13 @@ they are measured on a quiet machine and written in docs/measurements.md)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
-from .jobs import REPO, run
+from .jobs import REPO, mpirun_command, run
 
 pytestmark = pytest.mark.slow
 
@@ -71,3 +72,25 @@ def test_startup_benchmark_times_each_phase_in_order(tmp_path: Path) -> None:
     assert launch == "launch to first step" and seconds[launch] > 0, seconds
     reached = [seconds[phase] for phase in phases]
     assert len(reached) == 4 and reached[0] > 0 and reached == sorted(reached), seconds
+
+
+def test_step_levers_benchmark_compares_each_lever_with_the_direct_path() -> None:
+    """Overlap and ZeRO-1 end where the direct path ends after a few steps (their times are
+    docs/measurements.md's)."""
+    done = run(
+        [*mpirun_command(2), sys.executable, str(REPO / "benchmarks" / "step_levers.py"),
+         "--batch", "16", "--steps", "5", "--rounds", "1"],
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [
+        [cell.strip() for cell in line.split("|")[1:-1]]
+        for line in (re.sub(r"^\[[^\]]*\]<stdout>:", "", text) for text in done.stdout.splitlines())
+        if line.startswith("| ") and not line.startswith("| 2 ranks")
+    ]
+    assert [row[0] for row in rows] == [
+        "direct allreduce (hvd-cpu)", "overlap, buckets of 64 k floats",
+        "overlap, buckets of 256 k floats", "ZeRO-1",
+    ]  # fmt: skip
+    for _, median, _, gap in rows:
+        assert float(median) > 0 and float(gap) < 1e-6, rows
