@@ -173,16 +173,16 @@ def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
     if recommended["processes"] > 1 and recommended["sync_every"] == 1:
         averaged = SYNC_WORDS[recommended["allreduce"]]
         assert all(r["sync"].startswith(averaged) for r in ran), ran
-    # --allreduce auto picks what the benchmark found fastest under MPI (the choice, not a time)
-    for batch in (64, 256):
-        mpi = {
-            m["setting"]["allreduce"]: m["samples_per_s"]
-            for m in report["measurements"]
-            if m["setting"]["controller"] == "mpi"
-            and m["setting"]["batch_size"] == batch
-            and m["setting"]["sync_every"] == 1
-        }
-        assert max(mpi, key=mpi.__getitem__) == resolve_allreduce("auto", mpi=True).allreduce, mpi
+    # --allreduce auto picks what the benchmark found fastest under MPI (the choice, not a
+    # time), at batch 64: about 30 timed steps a rank (at 256 this frame gives 8: too few)
+    mpi = {
+        m["setting"]["allreduce"]: m["samples_per_s"]
+        for m in report["measurements"]
+        if m["setting"]["controller"] == "mpi"
+        and m["setting"]["batch_size"] == 64
+        and m["setting"]["sync_every"] == 1
+    }
+    assert max(mpi, key=mpi.__getitem__) == resolve_allreduce("auto", mpi=True).allreduce, mpi
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", (out / "bench.png").read_bytes()[16:24])[0] > 100
 
