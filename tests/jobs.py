@@ -38,6 +38,10 @@ REPO = Path(__file__).resolve().parent.parent
 RANK_PREFIX = re.compile(
     r"^(?P<time>.*?)\[(?:\d+,)?(?P<rank>\d+)\]<(?:stdout|stderr)>: ?(?P<text>.*)$"
 )
+# The same tag anywhere in a line: Open MPI tags each chunk it forwards from a rank's stream,
+# and a chunk may end mid-line (seen as a job ends, after a rank printed epochs by the
+# hundred): the next tagged chunk, of any stream, follows on the same line.
+RANK_TAG = re.compile(r"\[(?:\d+,)?(?P<rank>\d+)\]<(?P<stream>stdout|stderr)>: ?")
 
 
 @dataclass
@@ -48,12 +52,18 @@ class Run:
     seconds: float
 
     def rank_lines(self, rank: int | None = None) -> list[tuple[int, str]]:
-        """(rank, text) of every line a rank printed, from horovodrun's prefixes."""
+        """(rank, text) of every line a rank printed, from the launchers' tags; a line that
+        came in chunks is put together from its stream's chunks."""
         found = []
+        cut: dict[tuple[int, str], str] = {}  # a stream's line so far, cut before its end
         for line in (self.stdout + self.stderr).splitlines():
-            match = RANK_PREFIX.match(line)
-            if match and (rank is None or int(match["rank"]) == rank):
-                found.append((int(match["rank"]), match["text"]))
+            tags = list(RANK_TAG.finditer(line))
+            for i, tag in enumerate(tags):
+                stream = (int(tag["rank"]), tag["stream"])
+                if i + 1 < len(tags):  # another chunk follows on this line: this one was cut
+                    cut[stream] = cut.get(stream, "") + line[tag.end() : tags[i + 1].start()]
+                elif rank is None or stream[0] == rank:
+                    found.append((stream[0], cut.pop(stream, "") + line[tag.end() :]))
         return found
 
 
