@@ -108,18 +108,34 @@ def write_epochs(path: Path, epochs: list[dict]) -> None:
     path.write_text("".join(json.dumps(e) + "\n" for e in epochs))
 
 
-def training_throughput(
-    launcher: list[str], frame: Path, output: Path, *options: str, env: dict | None = None
-) -> float:
-    """`LAUNCHER hvd-cpu train` on `frame` for 4 epochs: samples per training second of every
-    epoch but the first (warm-up)."""
+def frame_file(folder: Path, rows: int) -> Path:
+    """`make_frame(rows)` as FOLDER/frame.parquet (the folder made if missing)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    frame = folder / "frame.parquet"
+    make_frame(rows).to_parquet(frame)
+    return frame
+
+
+def train_job(
+    launcher: list[str], frame: Path, output: Path, epochs: int, *options: str,
+    env: dict | None = None,
+) -> None:  # fmt: skip
+    """`LAUNCHER hvd-cpu train` on `frame` for `epochs`, quietly, into `output` (replaced)."""
     import os
     import subprocess
     import sys
 
     hvd_cpu = str(Path(sys.executable).parent / "hvd-cpu")
-    command = [*launcher, hvd_cpu, "train", "--data", str(frame), "--epochs", "4",
+    command = [*launcher, hvd_cpu, "train", "--data", str(frame), "--epochs", str(epochs),
                "--output", str(output), "--overwrite", "--quiet", *options]  # fmt: skip
     subprocess.run(command, check=True, capture_output=True, env={**os.environ, **(env or {})})
+
+
+def training_throughput(
+    launcher: list[str], frame: Path, output: Path, *options: str, env: dict | None = None
+) -> float:
+    """`LAUNCHER hvd-cpu train` on `frame` for 4 epochs: samples per training second of every
+    epoch but the first (warm-up)."""
+    train_job(launcher, frame, output, 4, *options, env=env)
     epochs = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     return sum(e["samples"] for e in epochs[1:]) / sum(e["seconds"] for e in epochs[1:])

@@ -14,7 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from common import make_frame, training_throughput
+from common import frame_file, training_throughput
 
 BIN = Path(sys.executable).parent
 HOROVODRUN = [str(BIN / "horovodrun"), "-np", "4", "--disable-cache"]
@@ -30,9 +30,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output", type=Path, default=Path("runs/oversubscribed"))
     args = parser.parse_args()
-    args.output.mkdir(parents=True, exist_ok=True)
-    frame = args.output / "frame.parquet"
-    make_frame(50_000).to_parquet(frame)
+    frame = frame_file(args.output, 50_000)
     samples: dict[str, list[float]] = {name: [] for name in SETTINGS}
     for _ in range(args.rounds):
         for name, (launcher, env) in SETTINGS.items():

@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import make_frame
+from common import frame_file, train_job
 
 BIN = Path(sys.executable).parent
 PHASES = ("imported", "joined", "prepared", "first_step")
@@ -25,11 +24,9 @@ PHASES = ("imported", "joined", "prepared", "first_step")
 def one_start(processes: int, frame: Path, output: Path) -> dict[str, float]:
     """One job of one epoch: seconds from the launch to the last rank's first step, and
     each phase's seconds (the slowest rank's) from its process's start."""
-    command = [str(BIN / "horovodrun"), "-np", str(processes), "--disable-cache",
-               str(BIN / "hvd-cpu"), "train", "--data", str(frame), "--epochs", "1",
-               "--output", str(output), "--overwrite", "--quiet"]  # fmt: skip
+    launcher = [str(BIN / "horovodrun"), "-np", str(processes), "--disable-cache"]
     launched = time.time()
-    subprocess.run(command, check=True, capture_output=True)
+    train_job(launcher, frame, output, 1)
     ranks = json.loads((output / "ranks.json").read_text())
     found = {"launch to first step": max(r["first_step_unix"] for r in ranks) - launched}
     for phase in PHASES:
@@ -43,9 +40,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--output", type=Path, default=Path("runs/startup"))
     args = parser.parse_args()
-    args.output.mkdir(parents=True, exist_ok=True)
-    frame = args.output / "frame.parquet"
-    make_frame(20_000).to_parquet(frame)
+    frame = frame_file(args.output, 20_000)
     counts = [int(n) for n in args.np.split(",")]
     runs: dict[int, list[dict[str, float]]] = {n: [] for n in counts}
     for _ in range(args.runs):

@@ -16,7 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from common import make_frame, training_throughput
+from common import frame_file, training_throughput
 
 BIN = Path(sys.executable).parent
 HOROVODRUN = [str(BIN / "horovodrun"), "-np", "2", "--disable-cache"]
@@ -31,9 +31,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output", type=Path, default=Path("runs/watchdog"))
     args = parser.parse_args()
-    args.output.mkdir(parents=True, exist_ok=True)
-    frame = args.output / "frame.parquet"
-    make_frame(50_000).to_parquet(frame)
+    frame = frame_file(args.output, 50_000)
     print("| job (2 ranks, seed MLP, batch 64) | heartbeats off | on (60 s) | on / off |")
     print("|---|---:|---:|---:|")
     for name, (launcher, options) in LAUNCHERS.items():

@@ -4,7 +4,6 @@ they are measured on a quiet machine and written in docs/measurements.md)."""
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -85,7 +84,7 @@ def test_step_levers_benchmark_compares_each_lever_with_the_direct_path() -> Non
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [
         [cell.strip() for cell in line.split("|")[1:-1]]
-        for line in (re.sub(r"^\[[^\]]*\]<stdout>:", "", text) for text in done.stdout.splitlines())
+        for _, line in done.rank_lines(0)
         if line.startswith("| ") and not line.startswith("| 2 ranks")
     ]
     assert [row[0] for row in rows] == [

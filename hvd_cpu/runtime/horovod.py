@@ -112,7 +112,9 @@ def init(
         # Gloo's own timeout would end a stalled job first, with a line that names nobody.
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(math.ceil(stall_seconds) + 30))
     mpi = None
-    if comm is not None or mpi_launched():
+    under_mpi = comm is not None or mpi_launched()
+    averaging = resolve_allreduce(allreduce, mpi=under_mpi)
+    if under_mpi:
         if not hvd.mpi_built():
             raise InputError(
                 "started by an MPI launcher, but this Horovod was built without MPI; "
@@ -120,7 +122,6 @@ def init(
             )
         yield_when_oversubscribed()
         comm = checked_communicator(comm)
-        averaging = resolve_allreduce(allreduce, mpi=True)
         if not steps_use_horovod(averaging.allreduce, sync_every):
             os.environ.setdefault("HOROVOD_CYCLE_TIME", IDLE_CYCLE_MS)
         hvd.init(comm=comm)
@@ -130,7 +131,6 @@ def init(
         # singleton MPI runtime for nothing).
         os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
         os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
-        averaging = resolve_allreduce(allreduce, mpi=False)
         hvd.init()
     # A job of one exchanges nothing: each collective through Horovod's cycle would cost
     # milliseconds, and a fit makes dozens of them.
