@@ -26,13 +26,6 @@ MIN_STALL_SECONDS = 2.0
 CONTROLLER_NAMES = {"mpi": "MPI", "gloo": "Gloo"}
 
 
-def steps_use_horovod(allreduce: str, sync_every: int) -> bool:
-    """Whether training steps go through Horovod (its DistributedOptimizer), for a resolved
-    `allreduce` (horovod or direct); when none does, Horovod's background thread can cycle
-    slowly (runtime/horovod.py, IDLE_CYCLE_MS)."""
-    return allreduce == "horovod" and sync_every == 1
-
-
 @dataclass(frozen=True)
 class Averaging:
     """How a job averages gradients every step (--allreduce, `auto` resolved: horovod or

@@ -35,7 +35,6 @@ from hvd_cpu.config.options import (
     CONTROLLER_NAMES,
     Averaging,
     resolve_allreduce,
-    steps_use_horovod,
 )
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.runtime import watchdog
@@ -56,9 +55,11 @@ WITH_MPI = (
 # Set by an MPI launcher (mpirun, horovodrun --mpi, srun --mpi=pmix), not by horovodrun --gloo.
 MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 # Horovod's background thread runs a collective with every other rank each cycle, busy or not.
-# When no step needs it (--allreduce direct, local SGD over MPI) a long cycle keeps it from
-# taking the training thread's core a thousand times a second.
-IDLE_CYCLE_MS = "100"
+# Our build's wake-on-wait patch starts a cycle at once when a caller waits on a collective, so
+# every collective hvd-cpu makes (gradients, metrics, broadcasts) is done without waiting for
+# the clock, and a long cycle keeps the thread from taking the training thread's core in
+# between (docs/measurements.md: 100 ms against the default 1 ms).
+CYCLE_MS = "100"
 # --elastic runs over Gloo (options.py refuses --allreduce direct with it).
 ELASTIC_AVERAGING = Averaging("horovod", "--elastic runs over Gloo")
 # Raised by a collective when another rank has gone (crashed, killed, host lost).
@@ -94,7 +95,6 @@ def init(
     threads: int | None = None,
     comm: Any = None,
     allreduce: str = "auto",
-    sync_every: int = 1,
     stall_seconds: float = 0.0,
 ) -> World:
     """Join the job (a job of one without a launcher) and give this rank its share of cores.
@@ -102,15 +102,15 @@ def init(
     Under an MPI launcher, or on `comm` (an mpi4py communicator of a program of your own),
     Horovod runs its MPI controller; otherwise Gloo's. Without a thread budget every rank
     would start one thread per core, and N ranks on N cores would fight over N x N threads.
-    `allreduce` (--allreduce) is resolved here, as world.averaging: when, with `sync_every`,
-    no training step will use Horovod, its cycle slows (IDLE_CYCLE_MS) before it starts. With
-    `stall_seconds`, a rank silent that long ends the job (runtime/watchdog.py; under
-    --elastic the watch starts in elastic_world).
+    `allreduce` (--allreduce) is resolved here, as world.averaging. With `stall_seconds`, a
+    rank silent that long ends the job (runtime/watchdog.py; under --elastic the watch starts
+    in elastic_world).
     """
     arrange_ending()
     if stall_seconds:
         # Gloo's own timeout would end a stalled job first, with a line that names nobody.
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(math.ceil(stall_seconds) + 30))
+    os.environ.setdefault("HOROVOD_CYCLE_TIME", CYCLE_MS)
     mpi = None
     under_mpi = comm is not None or mpi_launched()
     averaging = resolve_allreduce(allreduce, mpi=under_mpi)
@@ -122,8 +122,6 @@ def init(
             )
         yield_when_oversubscribed()
         comm = checked_communicator(comm)
-        if not steps_use_horovod(averaging.allreduce, sync_every):
-            os.environ.setdefault("HOROVOD_CYCLE_TIME", IDLE_CYCLE_MS)
         hvd.init(comm=comm)
         mpi = comm
     else:

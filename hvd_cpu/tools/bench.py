@@ -30,7 +30,6 @@ from hvd_cpu.config.options import (
     Averaging,
     TrainConfig,
     resolve_allreduce,
-    steps_use_horovod,
 )
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.runtime import horovod
@@ -53,10 +52,6 @@ class Setting:
     sync_every: int  # 1: gradients averaged every step; K: local SGD
     controller: str = "gloo"  # of a job of several processes
     allreduce: str = "horovod"  # of every-step averaging: horovod or direct (MPI only)
-
-    @property
-    def horovod_steps(self) -> bool:
-        return steps_use_horovod(self.allreduce, self.sync_every)
 
     def label(self) -> str:
         if self.sync_every > 1:
@@ -130,14 +125,7 @@ def jobs(config: BenchConfig) -> list[list[Setting]]:
                 for batch in config.batch_sizes
                 for k, allreduce in ways
             ]
-            if controller == "mpi":  # Horovod's cycle is set per job: as train sets it
-                found += [
-                    group
-                    for steps in (True, False)
-                    if (group := [s for s in settings if s.horovod_steps == steps])
-                ]
-            else:
-                found.append(settings)
+            found.append(settings)
     return found
 
 
@@ -147,7 +135,7 @@ def _measure_on_rank(
     """Run on every rank: train each setting (all with the same threads) from the same start.
     Rank 0 returns the measurements and the time of the first step (to measure the launch)."""
     first = settings[0]
-    world = horovod.init(first.threads, allreduce=first.allreduce, sync_every=first.sync_every)
+    world = horovod.init(first.threads, allreduce=first.allreduce)
     prepared = prepare(train_config, world)
     first_step = time.time()
     measurements = []

@@ -11,8 +11,7 @@ optimizer classes are), chosen once by `choose`. A new strategy is one new subcl
   averaged every K steps and at the end of each epoch: K times fewer waits.
 
 Which averaging runs every step was resolved when the rank joined (world.averaging: --allreduce
-auto decided there); a strategy that steps without Horovod's cycle also answers False in
-config's `steps_use_horovod` (which slows that cycle down before any strategy exists).
+auto decided there).
 """
 
 from __future__ import annotations
