@@ -3,8 +3,8 @@ of the strategies that average them themselves: training/sync.py): one interface
 per backend, chosen once when a rank joins the job and held by its `World`.
 
 Backends: Horovod's collectives (runtime/horovod.py; under Gloo they are all there is), an
-mpi4py communicator beside Horovod (runtime/mpi.py; microseconds instead of Horovod's cycle of
-milliseconds) and `Alone`, the job of one (a plain process, a rank preparing alone under
+mpi4py communicator beside Horovod (runtime/mpi.py; from the calling thread, without Horovod's
+background thread) and `Alone`, the job of one (a plain process, a rank preparing alone under
 --elastic). A new backend is one new subclass, chosen in runtime/horovod.py's `init`.
 """
 
@@ -28,7 +28,7 @@ class Collectives(ABC):
     matches collectives by name); backends that match by order ignore it."""
 
     # Whether a collective runs in the calling thread, at once (what --allreduce direct needs),
-    # rather than on a background thread's next cycle.
+    # rather than on a background thread.
     in_calling_thread = False
 
     @abstractmethod

@@ -130,8 +130,8 @@ def init(
         os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
         os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
         hvd.init()
-    # A job of one exchanges nothing: each collective through Horovod's cycle would cost
-    # milliseconds, and a fit makes dozens of them.
+    # A job of one exchanges nothing: each collective through Horovod's background thread
+    # would cost a hand-over to it and back, and a fit makes dozens of them.
     collectives: Collectives = Alone()
     if hvd.size() > 1:
         collectives = HorovodCollectives() if mpi is None else MpiCollectives(mpi.Dup())
@@ -246,7 +246,7 @@ def check_mpi_launcher() -> None:
 
 
 class HorovodCollectives(Collectives):
-    """The job's collectives through Horovod's background cycle (all there is under Gloo)."""
+    """The job's collectives through Horovod's background thread (all there is under Gloo)."""
 
     def sum(self, values: torch.Tensor, name: str) -> torch.Tensor:
         return hvd.allreduce(values, op=hvd.Sum, name=name)

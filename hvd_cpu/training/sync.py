@@ -5,8 +5,8 @@ optimizer classes are), chosen once by `choose`. A new strategy is one new subcl
   each step, on its background thread, as backward produces them (either controller).
 - `DirectAveraging` (--allreduce direct, and auto's choice under MPI): the gradients live in
   one flat buffer per dtype (each parameter's .grad is a view into it), averaged by one
-  collective from the training thread: no copies, none of Horovod's per-step cycle (MPI
-  controller only; runtime/mpi.py says why).
+  collective from the training thread: no copies, no hooks, no hand-over to Horovod's
+  background thread (MPI controller only; runtime/mpi.py says why).
 - `LocalSGD` (--sync-every K > 1): each rank steps on its own batches; the parameters are
   averaged every K steps and at the end of each epoch: K times fewer waits.
 
