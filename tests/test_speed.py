@@ -8,6 +8,8 @@ import json
 import re
 import shlex
 import struct
+import sys
+import types
 from pathlib import Path
 
 import pandas as pd
@@ -19,6 +21,7 @@ from hvd_cpu.config.options import resolve_allreduce
 from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.model.networks import Network, parameter_digest
 from hvd_cpu.model.optim import adam
+from hvd_cpu.runtime import horovod
 from hvd_cpu.training import sync
 
 from .jobs import BIN, horovodrun, hvd_cpu, load_model, metrics, run, slow_except
@@ -303,3 +306,17 @@ def test_a_waited_collective_does_not_wait_for_horovods_cycle(controller: str) -
         if (m := re.match(r"median ms ([\d.]+) ([\d.]+)", t))
     ]
     assert max(medians) < 50, medians
+
+
+def test_the_long_cycle_is_set_only_for_a_horovod_that_wakes_on_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """hvd-cpu's 100 ms cycle costs nothing on its own build; on a Horovod built elsewhere each
+    collective would wait it out, so there the cycle stays Horovod's."""
+    assert horovod.wakes_on_wait()  # this environment's build
+    monkeypatch.setitem(sys.modules, "horovod.hvd_cpu_build", None)  # no record: not ours
+    assert not horovod.wakes_on_wait()
+    older = types.ModuleType("horovod.hvd_cpu_build")
+    older.BUILD = {"patches": ["horovod-0.28.1-wait-sleeps.patch"]}  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "horovod.hvd_cpu_build", older)
+    assert not horovod.wakes_on_wait()

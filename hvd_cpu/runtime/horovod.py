@@ -60,6 +60,7 @@ MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 # the clock, and a long cycle keeps the thread from taking the training thread's core in
 # between (docs/measurements.md: 100 ms against the default 1 ms).
 CYCLE_MS = "100"
+WAKE_ON_WAIT_PATCH = f"horovod-{horovod.__version__}-wake-on-wait.patch"
 # --elastic runs over Gloo (options.py refuses --allreduce direct with it).
 ELASTIC_AVERAGING = Averaging("horovod", "--elastic runs over Gloo")
 # Raised by a collective when another rank has gone (crashed, killed, host lost).
@@ -110,7 +111,8 @@ def init(
     if stall_seconds:
         # Gloo's own timeout would end a stalled job first, with a line that names nobody.
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(math.ceil(stall_seconds) + 30))
-    os.environ.setdefault("HOROVOD_CYCLE_TIME", CYCLE_MS)
+    if wakes_on_wait():
+        os.environ.setdefault("HOROVOD_CYCLE_TIME", CYCLE_MS)
     mpi = None
     under_mpi = comm is not None or mpi_launched()
     averaging = resolve_allreduce(allreduce, mpi=under_mpi)
@@ -240,6 +242,16 @@ def check_mpi_launcher() -> None:
             "mpirun not found on PATH; install Open MPI (Debian: apt-get install openmpi-bin) "
             "or use the Gloo controller (horovodrun --gloo, controller='gloo')"
         )
+
+
+def wakes_on_wait() -> bool:
+    """Whether this Horovod is hvd-cpu's build with the wake-on-wait patch. Any other (one a
+    user built or installed) keeps its cycle: at 100 ms, each collective would wait for it."""
+    try:
+        from horovod.hvd_cpu_build import BUILD  # written by hvd-cpu install-horovod
+    except ImportError:
+        return False
+    return WAKE_ON_WAIT_PATCH in BUILD["patches"]
 
 
 # Horovod's collectives and its DistributedOptimizer
