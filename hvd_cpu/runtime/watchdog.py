@@ -209,17 +209,21 @@ class Watchdog:
         unheard = set(self.peers) - set(self.heard) - self.gone
         if unheard and now - self.started > self.bound and not self.unheard_said:
             self.unheard_said = True
-            names = ", ".join(self.peers[p].describe(p) for p in sorted(unheard))
-            _say(
-                f"hvd-cpu: rank {self.rank}: no heartbeat from {names} reached this rank in "
-                f"{self.bound:g} s (UDP blocked between hosts?); a stalled rank there will not "
-                "be noticed"
-            )
+            unheard = {p for p in unheard if self._fate(p) != GONE}  # ended: a lost rank
+            if unheard:
+                names = ", ".join(self.peers[p].describe(p) for p in sorted(unheard))
+                _say(
+                    f"hvd-cpu: rank {self.rank}: no heartbeat from {names} reached this rank "
+                    f"in {self.bound:g} s (UDP blocked between hosts?); a stalled rank there "
+                    "will not be noticed"
+                )
         silence = {p: now - last for p, last in self.heard.items()}
         for peer, seconds in sorted(silence.items()):
             if seconds >= self.bound / 4 and peer not in self.warned and seconds < self.bound:
                 self.warned.add(peer)
-                if self._reporter(silence):
+                # A peer whose process has ended is a lost rank, not a stall: its collective
+                # fails (at the latest after Gloo's timeout) and the job ends or goes on.
+                if self._reporter(silence) and self._fate(peer) != GONE:
                     _say(
                         f"hvd-cpu: rank {self.rank}: {self.peers[peer].describe(peer)} has not "
                         f"answered for {seconds:.1f} s; the job ends if it stays silent for "
