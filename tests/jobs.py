@@ -137,6 +137,32 @@ def demo_file(path: Path, rows: int, features: int = 8) -> Path:
     return path
 
 
+# A step of Python that holds the GIL but for its switch interval, as a user's model can.
+SLOW_MODEL = """
+import time
+
+import torch
+
+
+class Model(torch.nn.Module):
+    def __init__(self, n_features, n_outputs):
+        super().__init__()
+        self.layer = torch.nn.Linear(n_features, n_outputs)
+
+    def forward(self, x):
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            pass
+        return self.layer(x)
+"""
+
+
+def slow_model(folder: Path) -> str:
+    """--model for a model whose every forward pass takes 3 s of Python."""
+    (folder / "slow_model.py").write_text(SLOW_MODEL)
+    return f"{folder / 'slow_model.py'}:Model"
+
+
 class LiveJob:
     """A job whose output is read while it runs, each line with the time it came."""
 

@@ -15,7 +15,19 @@ import pytest
 import torch
 
 from .hosts import SSH_PORT, Hosts, needs_namespaces
-from .jobs import BIN, REPO, SLOW, LiveJob, demo_file, horovodrun, hvd_cpu, metrics, ranks, weights
+from .jobs import (
+    BIN,
+    REPO,
+    SLOW,
+    LiveJob,
+    demo_file,
+    horovodrun,
+    hvd_cpu,
+    metrics,
+    ranks,
+    slow_model,
+    weights,
+)
 
 ELASTIC = str(REPO / "launch" / "elastic.sh")
 # Long enough that a killed rank's replacement (15 s to notice the loss, a 5-15 s cool-down,
@@ -162,37 +174,16 @@ def test_more_lost_ranks_than_max_restarts_end_the_job_with_one_line(
     assert [m["epoch"] for m in metrics(output)] == [1, 2]
 
 
-# A training step whose forward holds the GIL but for its switch interval for 2 s.
-BUSY_MODEL = """
-import time
-
-import torch
-
-
-class Model(torch.nn.Module):
-    def __init__(self, n_features, n_outputs):
-        super().__init__()
-        self.layer = torch.nn.Linear(n_features, n_outputs)
-
-    def forward(self, x):
-        end = time.monotonic() + (2 if self.training else 0)
-        while time.monotonic() < end:
-            pass
-        return self.layer(x)
-"""
-
-
 @pytest.mark.slow
 def test_a_killed_rank_is_a_lost_rank_not_a_stall(tmp_path: Path) -> None:
-    """Rank 0 busy in a 2 s step hears nothing from a killed rank for longer than a quarter of
+    """Rank 0 busy in a 3 s step hears nothing from a killed rank for longer than a quarter of
     --stall-seconds: it must not warn of a stall (the process is gone, the job ends as lost)."""
-    (tmp_path / "busy_model.py").write_text(BUSY_MODEL)
     data = demo_file(tmp_path / "small.parquet", rows=2000)
     output = tmp_path / "out"
     job = elastic("--data", str(data), "--epochs", "20", "--output", str(output),
-                  "--model", f"{tmp_path / 'busy_model.py'}:Model", "--batch-size", "1000",
+                  "--model", slow_model(tmp_path), "--batch-size", "1000",
                   "--stall-seconds", "2", "--max-restarts", "0", NP="4")  # fmt: skip
-    job.wait_for(r"Epoch 1:", 120)  # the next epoch's 2 s step has begun on every rank
+    job.wait_for(r"Epoch 1:", 120)  # the next epoch's 3 s step has begun on every rank
     victim = next(pid for pid, env in ranks_of(output) if env["HOROVOD_RANK"] != "0")
     os.kill(victim, signal.SIGKILL)
     assert job.finish(60) != 0

@@ -35,6 +35,7 @@ from .jobs import (
     mpirun_command,
     processes_naming,
     run,
+    slow_model,
 )
 
 pytestmark = pytest.mark.slow
@@ -360,32 +361,11 @@ def test_a_stopped_rank_ends_the_job_naming_it_within_the_bound(
     resumes(job, frame)
 
 
-# A step of Python that holds the GIL but for its switch interval, as a user's model can.
-SLOW_MODEL = """
-import time
-
-import torch
-
-
-class Model(torch.nn.Module):
-    def __init__(self, n_features, n_outputs):
-        super().__init__()
-        self.layer = torch.nn.Linear(n_features, n_outputs)
-
-    def forward(self, x):
-        end = time.monotonic() + 3
-        while time.monotonic() < end:
-            pass
-        return self.layer(x)
-"""
-
-
 def test_slow_steps_are_no_stall(frame: Path, tmp_path: Path) -> None:
     """The heartbeat beats beside the work: steps of Python far longer than a --stall-seconds
     of 2 end no job."""
-    (tmp_path / "slow_model.py").write_text(SLOW_MODEL)
     output = tmp_path / "slow"
-    model = f"{tmp_path / 'slow_model.py'}:Model"
+    model = slow_model(tmp_path)
     job = horovodrun(2, *train_args(frame, output, 2, "--stall-seconds", "2",
                                     "--batch-size", "1000", "--model", model))  # fmt: skip
     assert job.returncode == 0, job.stdout + job.stderr
