@@ -149,6 +149,17 @@ def test_a_lost_or_stalled_rank_is_replaced_and_training_goes_on(
     assert sizes[0] == 4 and min(sizes) < 4 and sizes[-1] == 4
 
 
+def killed_beside_rank_0(job: LiveJob, output: Path) -> tuple[list[str], float]:
+    """Kill a rank other than rank 0 of a job that cannot go on without it; the job must end
+    non-zero. Returns hvd-cpu's lines and the seconds from the kill to the job's end."""
+    victim = next(pid for pid, env in ranks_of(output) if env["HOROVOD_RANK"] != "0")
+    killed = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    assert job.finish(60) != 0
+    seconds = time.monotonic() - killed
+    return [line for line in job.output.splitlines() if "hvd-cpu:" in line], seconds
+
+
 @pytest.mark.slow
 def test_more_lost_ranks_than_max_restarts_end_the_job_with_one_line(
     frame: Path, tmp_path: Path
@@ -157,12 +168,8 @@ def test_more_lost_ranks_than_max_restarts_end_the_job_with_one_line(
     job = elastic("--data", str(frame), "--epochs", str(EPOCHS), "--output", str(output),
                   "--max-restarts", "0", NP="4")  # fmt: skip
     job.wait_for(r"Epoch 2:", 120)  # epoch 1's checkpoint is on disk
-    victim = next(pid for pid, env in ranks_of(output) if env["HOROVOD_RANK"] != "0")
-    killed = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    assert job.finish(60) != 0
-    assert time.monotonic() - killed < 30, "the loss is noticed within the Gloo timeout (15 s)"
-    ours = [line for line in job.output.splitlines() if "hvd-cpu:" in line]
+    ours, seconds = killed_beside_rank_0(job, output)
+    assert seconds < 30, "the loss is noticed within the Gloo timeout (15 s)"
     assert len(ours) == 1, job.output
     assert "error: gave up after losing ranks 1 time(s) (--max-restarts 0)" in ours[0]
     assert f"{output / 'checkpoint.pt'} holds epoch" in ours[0]
@@ -184,10 +191,7 @@ def test_a_killed_rank_is_a_lost_rank_not_a_stall(tmp_path: Path) -> None:
                   "--model", slow_model(tmp_path), "--batch-size", "1000",
                   "--stall-seconds", "2", "--max-restarts", "0", NP="4")  # fmt: skip
     job.wait_for(r"Epoch 1:", 120)  # the next epoch's 3 s step has begun on every rank
-    victim = next(pid for pid, env in ranks_of(output) if env["HOROVOD_RANK"] != "0")
-    os.kill(victim, signal.SIGKILL)
-    assert job.finish(60) != 0
-    ours = [line for line in job.output.splitlines() if "hvd-cpu:" in line]
+    ours, _ = killed_beside_rank_0(job, output)
     assert len(ours) == 1 and "gave up after losing ranks" in ours[0], job.output
     no_process_left(output)
 
