@@ -40,3 +40,17 @@ def process_state_restored() -> Iterator[None]:
     os.environ.update(environment)
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """No test may leave one of hvd-cpu's shared-memory segments in /dev/shm: each is unlinked
+    as soon as its ranks have mapped it, however the job ends later (kill -9 included). Checked
+    once, by the session that ran them all (not by each xdist worker)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    left = sorted(p.name for p in Path("/dev/shm").glob("hvd-cpu-*"))
+    if left:
+        session.config.get_terminal_writer().line(
+            f"hvd-cpu's shared-memory segments left in /dev/shm: {', '.join(left)}", red=True
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

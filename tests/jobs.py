@@ -31,6 +31,9 @@ needs_root_and_apt = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("apt-get"),
     reason="building a Debian root or image here needs root and apt-get (debootstrap, buildah)",
 )
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="a mount namespace of its own (unshare --mount) needs root"
+)
 REPO = Path(__file__).resolve().parent.parent
 # Launchers prefix each line a rank prints: horovodrun over Gloo with "[rank]<stdout>:", Open
 # MPI's --tag-output (mpirun, horovodrun --mpi) with "[job,rank]<stdout>:"; after a timestamp
@@ -89,10 +92,11 @@ def horovodrun(
     launcher: tuple[str, ...] = (),
     timeout: float = 300,
     controller: str = "gloo",
+    env: dict[str, str] | None = None,
 ) -> Run:
     """`horovodrun --CONTROLLER -np NP [LAUNCHER OPTIONS] hvd-cpu ARGS` on this host; Gloo
     unless asked, the card's shape (plain horovodrun would pick MPI, which is built in)."""
-    return run([*horovodrun_command(np, controller, launcher), *args], timeout=timeout)
+    return run([*horovodrun_command(np, controller, launcher), *args], timeout=timeout, env=env)
 
 
 def skip_without_mpi() -> None:

@@ -1,7 +1,8 @@
-"""The collectives backends, each in a real two-rank job: Horovod's (horovodrun --gloo) and
-our mpi4py communicator's (horovodrun --mpi); both must give the same answers to the same
-calls, as the training code relies on whichever the launcher picked. The job of one (`Alone`)
-is checked here in-process."""
+"""The collectives backends, each in a real two-rank job: Gloo's through shared memory
+(horovodrun --gloo: Horovod's, with sums and averages by the direct allreduce), Horovod's
+alone (Gloo over TCP) and our mpi4py communicator's (horovodrun --mpi); all must give the
+same answers to the same calls, as the training code relies on whichever the launch picked.
+The job of one (`Alone`) is checked here in-process."""
 
 from __future__ import annotations
 
@@ -16,12 +17,19 @@ from .jobs import BIN, REPO, horovodrun_command, run
 
 
 @pytest.mark.parametrize(
-    ("controller", "backend"), [("gloo", "HorovodCollectives"), ("mpi", "MpiCollectives")]
+    ("controller", "shared_memory", "backend"),
+    [
+        ("gloo", "1", "SharedMemoryCollectives"),
+        ("gloo", "0", "HorovodCollectives"),
+        ("mpi", "1", "MpiCollectives"),
+    ],
 )
-def test_each_backend_gives_the_same_answers_on_two_ranks(controller: str, backend: str) -> None:
+def test_each_backend_gives_the_same_answers_on_two_ranks(
+    controller: str, shared_memory: str, backend: str
+) -> None:
     script = REPO / "tests" / "collectives_check.py"
     command = horovodrun_command(2, controller, program=(str(BIN / "python"), str(script)))
-    job = run(command, timeout=120)
+    job = run(command, timeout=120, env={"HOROVOD_GLOO_SHARED_MEMORY": shared_memory})
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     said = sorted(text for _, text in job.rank_lines() if text.startswith("collectives ok"))
     assert said == [f"collectives ok 0 {backend}", f"collectives ok 1 {backend}"]

@@ -45,14 +45,17 @@ def gloo_run(demo_parquet: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     """The card's shape, `horovodrun --gloo -np 2`: the reference the MPI runs must match."""
     output = tmp_path_factory.mktemp("gloo") / "run"
     job = ok(horovodrun(2, "train", "--data", str(demo_parquet), *ARGS, "--output", str(output)))
-    summary = "Gloo; gradients averaged by hvd.DistributedOptimizer (auto: Gloo has no direct"
+    summary = (
+        "Gloo over shared memory; gradients averaged by one allreduce per step (auto: the "
+        "fastest over Gloo's shared memory)"
+    )
     assert f"controller               {summary}" in job.stdout
     assert {r["controller"] for r in ranks(output)} == {"gloo"}
     return output
 
 
 # The default (--allreduce auto) averages directly under MPI.
-DIRECT_BY_DEFAULT = "gradients averaged by one MPI allreduce per step (auto: the fastest under MPI)"
+DIRECT_BY_DEFAULT = "gradients averaged by one allreduce per step (auto: the fastest under MPI)"
 LAUNCHES = [
     ("horovodrun --mpi", f"MPI; {DIRECT_BY_DEFAULT}"),
     ("mpirun", f"MPI; {DIRECT_BY_DEFAULT}"),
@@ -186,18 +189,21 @@ def test_an_mpi_without_thread_support_is_one_clear_error(
     assert not (tmp_path / "out").exists()
 
 
-def test_the_direct_allreduce_under_gloo_is_one_line(demo_parquet: Path, tmp_path: Path) -> None:
+def test_the_direct_allreduce_under_gloo_over_tcp_is_one_line(
+    demo_parquet: Path, tmp_path: Path
+) -> None:
     job = horovodrun(
         2, "train", "--data", str(demo_parquet), "--allreduce", "direct",
-        "--output", str(tmp_path / "out"),
+        "--output", str(tmp_path / "out"), env={"HOROVOD_GLOO_SHARED_MEMORY": "0"},
     )  # fmt: skip
     assert job.returncode == 2
     errors = [(rank, text) for rank, text in job.rank_lines() if text.strip()]
     assert errors == [
         (
             0,
-            "hvd-cpu: error: --allreduce direct needs the MPI controller: launch with "
-            "horovodrun --mpi or mpirun, or leave out --allreduce direct",
+            "hvd-cpu: error: --allreduce direct needs MPI or Gloo through shared memory, and "
+            "this job runs Gloo over TCP (turned off by HOROVOD_GLOO_SHARED_MEMORY=0): launch "
+            "with horovodrun --mpi, or leave out --allreduce direct",
         )
     ]
     assert "Traceback" not in job.stdout + job.stderr

@@ -124,7 +124,8 @@ def test_a_recorded_config_file_reads_back_as_the_config(
     [
         (CONFIGS[0], bench_tool.Setting(4, 1, 128, 1, "mpi", "direct"), "auto"),
         (CONFIGS[0], bench_tool.Setting(2, 1, 128, 1, "mpi", "horovod"), "horovod"),
-        (CONFIGS[1], bench_tool.Setting(2, 3, 64, 1, "gloo"), "auto"),
+        (CONFIGS[1], bench_tool.Setting(2, 3, 64, 1, "gloo", "direct"), "auto"),
+        (CONFIGS[1], bench_tool.Setting(2, 3, 64, 1, "gloo"), "horovod"),
         (CONFIGS[1], bench_tool.Setting(1, 1, 32, 1), "auto"),
     ],
 )
@@ -133,7 +134,8 @@ def test_bench_s_recommended_command_trains_as_measured(
 ) -> None:
     """Its `hvd-cpu train` words parse back to the benchmarked config with the setting's batch,
     sync, allreduce and threads (left out when train picks the same: --allreduce auto is
-    direct under MPI, Horovod's under Gloo), and the output, progress, validation and epoch
+    direct under MPI and under Gloo through shared memory), and the output, progress,
+    validation and epoch
     lines of a plain run."""
     words = shlex.split(bench_tool.command_line(setting, config, cores=4))
     launcher = ["horovodrun", f"--{setting.controller}", "-np", str(setting.processes)]

@@ -79,31 +79,40 @@ def test_the_table_of_one_process_has_no_rows_about_other_ranks(tmp_path: Path) 
     assert "  500 samples/s over 1 rank(s)" in table
 
 
-@pytest.mark.parametrize(("controller", "name"), [("gloo", "Gloo"), ("mpi", "MPI")])
+@pytest.mark.parametrize(
+    ("controller", "transport", "name"),
+    [("gloo", "shared memory", "Gloo over shared memory"), ("mpi", "", "MPI")],
+)
 def test_the_table_of_several_ranks_says_how_long_they_waited_and_how_they_kept_in_step(
-    controller: str, name: str
+    controller: str, transport: str, name: str
 ) -> None:
     state = state_of(metrics(1, wait=0.5))
     synchronised = "parameters averaged every 8 steps"
-    table = summary_table(TrainConfig(), state, 2, controller, synchronised, wall=3.0)
+    table = summary_table(TrainConfig(), state, 2, controller, synchronised, 3.0, transport)
     assert "  waiting for other ranks  25% of training time\n" in table
     assert f"  controller               {name}; parameters averaged every 8 steps\n" in table
 
 
 @pytest.mark.parametrize(
-    ("options", "controller", "cheaper"),
+    ("options", "controller", "transport", "cheaper"),
     [
-        ({}, "gloo", "(horovodrun --mpi with one rank per core, a larger"),
-        ({"allreduce": "horovod"}, "mpi", "(--allreduce auto, a larger --batch-size"),
-        ({}, "mpi", "(a larger --batch-size"),
+        ({}, "gloo", "TCP (why)", "(horovodrun --mpi with one rank per core, a larger"),
+        ({}, "gloo", "shared memory", "(a larger --batch-size"),
+        ({"allreduce": "horovod"}, "gloo", "shared memory", "(--allreduce auto, a larger"),
+        ({"allreduce": "horovod"}, "mpi", "", "(--allreduce auto, a larger --batch-size"),
+        ({}, "mpi", "", "(a larger --batch-size"),
     ],
 )
 def test_advice_comes_only_past_half_the_time_waiting_and_names_the_cheaper_path(
-    options: dict, controller: str, cheaper: str
+    options: dict, controller: str, transport: str, cheaper: str
 ) -> None:
     config = TrainConfig(**options)
-    assert waiting_advice(config, state_of(metrics(1, wait=1.0)), 2, controller) is None  # 50 %
-    advice = waiting_advice(config, state_of(metrics(1, wait=1.2)), 2, controller)
-    assert advice is not None and "waited for each other 60% of the time" in advice
-    assert cheaper in advice
-    assert waiting_advice(config, state_of(metrics(1, wait=1.9)), 1, controller) is None
+
+    def advice(wait: float, ranks: int = 2) -> str | None:
+        return waiting_advice(config, state_of(metrics(1, wait=wait)), ranks, controller, transport)
+
+    assert advice(1.0) is None  # 50 %
+    given = advice(1.2)
+    assert given is not None and "waited for each other 60% of the time" in given
+    assert cheaper in given
+    assert advice(1.9, ranks=1) is None

@@ -26,6 +26,7 @@ from hvd_cpu.training import sync
 
 from .jobs import BIN, horovodrun, hvd_cpu, load_model, metrics, run, slow_except
 
+SHARED_MEMORY = horovod.SHARED_MEMORY_SWITCH
 # How ranks.json words each every-step averaging (before the reason in brackets).
 SYNC_WORDS = {"direct": sync.DirectAveraging.described, "horovod": sync.HorovodAveraging.described}
 
@@ -184,7 +185,8 @@ def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
         and m["setting"]["batch_size"] == 64
         and m["setting"]["sync_every"] == 1
     }
-    assert max(mpi, key=mpi.__getitem__) == resolve_allreduce("auto", mpi=True).allreduce, mpi
+    direct = horovod.direct_allreduce_over("mpi")
+    assert max(mpi, key=mpi.__getitem__) == resolve_allreduce("auto", direct).allreduce, mpi
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", (out / "bench.png").read_bytes()[16:24])[0] > 100
 
@@ -249,14 +251,17 @@ def test_bench_with_missing_data_says_one_line(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("controller", slow_except(["gloo", "mpi"], ["gloo"]))
-def test_a_rank_waiting_for_an_allreduce_sleeps_instead_of_spinning(controller: str) -> None:
-    """The wait-sleeps patch: torch's wait for a Horovod collective used to spin on yield(),
-    keeping the rank's core from the background thread that does the work. Rank 1 arrives a
-    second late; rank 0's waiting thread must spend little CPU meanwhile (it spent all of it)."""
+@pytest.mark.parametrize("shared_memory", slow_except(["1", "0"], ["1"]))
+def test_a_rank_waiting_for_an_allreduce_sleeps_instead_of_spinning(shared_memory: str) -> None:
+    """The wait-sleeps and gloo-shared-memory patches: torch's wait for a Horovod collective
+    used to spin on yield(), keeping the rank's core from the thread doing the work; waiting
+    in shared memory spins for microseconds, then sleeps. Rank 1 arrives a second late; rank
+    0's waiting thread must spend little CPU meanwhile (it spent all of it). Gloo only: under
+    MPI the waiting thread runs the collective itself, and Open MPI polls while it waits, as
+    in any blocking MPI call (hvd-cpu has it yield when a host's ranks outnumber its cores)."""
     code = (
         "import time, torch\n"
-        "import horovod.torch as hvd\n"  # Horovod's own wait: hvd-cpu's MPI path bypasses it
+        "import horovod.torch as hvd\n"
         "hvd.init()\n"
         "hvd.allreduce(torch.ones(8), name='warm-up')\n"
         "if hvd.rank() == 1: time.sleep(1.0)\n"
@@ -265,11 +270,9 @@ def test_a_rank_waiting_for_an_allreduce_sleeps_instead_of_spinning(controller: 
         "share = (time.thread_time() - cpu) / (time.perf_counter() - wall)\n"
         "if hvd.rank() == 0: print(f'cpu share {share:.3f}')\n"
     )
-    command = [str(BIN / "horovodrun"), f"--{controller}", "-np", "2", "--disable-cache"]
-    job = run([*command, str(BIN / "python"), "-c", code])
+    command = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "--disable-cache"]
+    job = run([*command, str(BIN / "python"), "-c", code], env={SHARED_MEMORY: shared_memory})
     assert job.returncode == 0, job.stdout + job.stderr
-    # a search, not the line's end: with PYTHONUNBUFFERED, print() writes the newline apart and
-    # Open MPI's --tag-output tags it onto the same line
     (share,) = [
         float(m[1]) for _, t in job.rank_lines(0) if (m := re.match(r"cpu share ([\d.]+)", t))
     ]
@@ -280,9 +283,9 @@ def test_a_rank_waiting_for_an_allreduce_sleeps_instead_of_spinning(controller: 
 def test_a_waited_collective_does_not_wait_for_horovods_cycle(controller: str) -> None:
     """The wake-on-wait patch: Horovod's background thread slept out its cycle before it looked
     at what was enqueued, so each collective a rank waited on cost up to a cycle (1 ms by
-    default, most of a small model's step). With a 200 ms cycle, allreduces of new names
-    (negotiated with the coordinator) and of known ones (Horovod's cache) must each take a
-    small part of it."""
+    default, most of a small model's step); now the waiting caller runs the cycle. With a
+    200 ms cycle, allreduces of new names (negotiated with the coordinator) and of known
+    ones (Horovod's cache) must each take a small part of it."""
     code = (
         "import statistics, time, torch\n"
         "import horovod.torch as hvd\n"

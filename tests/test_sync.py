@@ -32,10 +32,13 @@ class Halving(Alone):
 
 
 def world_of(size: int, collectives: Alone, config: TrainConfig | None = None) -> World:
-    """A job of `size` over `collectives`, its --allreduce resolved as init resolves it."""
+    """A job of `size` over `collectives`, its --allreduce resolved as init resolves it: with a
+    backend that runs in the calling thread, MPI's; otherwise Gloo's over TCP."""
     mpi = collectives.in_calling_thread
-    averaging = resolve_allreduce((config or TrainConfig()).allreduce, mpi=mpi)
-    return World(0, size, 0, size, 1, collectives, "mpi" if mpi else "gloo", averaging)
+    direct = horovod.direct_allreduce_over("mpi") if mpi else None
+    averaging = resolve_allreduce((config or TrainConfig()).allreduce, direct, "(Gloo over TCP)")
+    controller, transport = ("mpi", "") if mpi else ("gloo", "TCP (turned off)")
+    return World(0, size, 0, size, 1, collectives, controller, averaging, transport)
 
 
 def model() -> nn.Module:
@@ -143,29 +146,33 @@ def test_the_options_choose_the_strategy(options: dict, size: int, expected: typ
     assert type(chosen) is expected
     if expected is sync.DirectAveraging:
         why = "--allreduce direct" if options else "auto: the fastest under MPI"
-        assert chosen.described == f"gradients averaged by one MPI allreduce per step ({why})"
+        assert chosen.described == f"gradients averaged by one allreduce per step ({why})"
 
 
 @pytest.mark.parametrize(
-    ("requested", "mpi", "allreduce"),
+    ("requested", "controller", "allreduce"),
     [
-        ("auto", True, "direct"),
-        ("auto", False, "horovod"),  # the card's DistributedOptimizer: Gloo has no direct path
-        ("horovod", True, "horovod"),
-        ("direct", False, "direct"),  # asked for: choose() refuses it in one line
+        ("auto", "mpi", "direct"),
+        ("auto", "gloo", "direct"),  # through shared memory (our build)
+        ("auto", None, "horovod"),  # Gloo over TCP: the card's DistributedOptimizer
+        ("horovod", "mpi", "horovod"),
+        ("direct", None, "direct"),  # asked for: choose() refuses it in one line
     ],
 )
-def test_auto_is_direct_under_mpi_and_horovods_optimizer_under_gloo(
-    requested: str, mpi: bool, allreduce: str
+def test_auto_is_direct_where_there_is_one_else_horovods_optimizer(
+    requested: str, controller: str | None, allreduce: str
 ) -> None:
-    averaging = resolve_allreduce(requested, mpi=mpi)
+    direct = horovod.direct_allreduce_over(controller) if controller else None
+    averaging = resolve_allreduce(requested, direct, "(Gloo over TCP (why))")
     assert averaging.allreduce == allreduce
     assert averaging.why.startswith("auto: " if requested == "auto" else f"--allreduce {requested}")
+    if requested == "auto" and controller is None:
+        assert averaging.why == "auto: no direct allreduce (Gloo over TCP (why))"
 
 
 def test_the_direct_allreduce_needs_a_backend_that_runs_in_the_calling_thread() -> None:
     net = model()
-    with pytest.raises(InputError, match="--allreduce direct needs the MPI controller"):
+    with pytest.raises(InputError, match="--allreduce direct needs MPI or Gloo through shared"):
         sync.choose(
             TrainConfig(allreduce="direct"), torch.optim.SGD(net.parameters(), lr=0.1), net,
             world_of(2, Halving(in_calling_thread=False), TrainConfig(allreduce="direct")),

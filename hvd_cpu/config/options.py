@@ -35,16 +35,16 @@ class Averaging:
     why: str
 
 
-def resolve_allreduce(requested: str, mpi: bool) -> Averaging:
+def resolve_allreduce(requested: str, direct_over: str | None, why_not: str = "") -> Averaging:
     """What --allreduce means for this job: `auto` is the fastest exact average measured here
-    (docs/measurements.md): under MPI, one MPI allreduce per step from the training thread
-    (direct), also with more ranks than cores; under Gloo, Horovod's DistributedOptimizer
-    (direct needs MPI)."""
+    (docs/measurements.md), one allreduce per step from the training thread (direct) wherever
+    the controller has one, `direct_over` (MPI; Gloo through shared memory), also with more
+    ranks than cores; otherwise Horovod's DistributedOptimizer, and `why_not` says why."""
     if requested != "auto":
         return Averaging(requested, f"--allreduce {requested}")
-    if mpi:
-        return Averaging("direct", "auto: the fastest under MPI")
-    return Averaging("horovod", "auto: Gloo has no direct allreduce")
+    if direct_over:
+        return Averaging("direct", f"auto: the fastest {direct_over}")
+    return Averaging("horovod", f"auto: no direct allreduce {why_not}")
 
 
 # --loss by name (losses.py builds them); anything with a ":" is the user's MODULE:FN.
@@ -212,14 +212,14 @@ class TrainConfig:
         type=click.IntRange(min=1),
     )
     # How gradients are averaged every step: "horovod", hvd.DistributedOptimizer (Horovod's
-    # background thread, either controller); "direct", one MPI_Allreduce of all gradients in
-    # the training thread (MPI controller only: much less per-step overhead, see README);
-    # "auto", the faster of the two for the job's controller (resolve_allreduce).
+    # cycle, either controller); "direct", one allreduce of all gradients in the training
+    # thread (MPI, or Gloo through shared memory: much less per-step overhead, see README);
+    # "auto", the faster of the two for the job (resolve_allreduce).
     allreduce: Literal["auto", "horovod", "direct"] = option(
         "auto",
         help="How gradients are averaged each step: horovod, hvd.DistributedOptimizer; direct, "
-        "one MPI allreduce of all gradients from the training loop (MPI controller only; far "
-        "less overhead per step); auto, direct under MPI and horovod under Gloo.",
+        "one allreduce of all gradients from the training loop (MPI, or Gloo through shared "
+        "memory; far less overhead per step); auto, direct where there is one, else horovod.",
         type=click.Choice(CHOICES["allreduce"]),
     )
     # output

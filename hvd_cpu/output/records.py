@@ -25,11 +25,13 @@ METRICS = "metrics.jsonl"
 class Records:
     """Rank 0's outputs for one training run."""
 
-    def __init__(self, config: TrainConfig, world_size: int, controller: str) -> None:
+    def __init__(
+        self, config: TrainConfig, world_size: int, controller: str, transport: str = ""
+    ) -> None:
         self.config = config
         self.output = config.output
         self.world_size = world_size
-        self.controller = controller
+        self.controller, self.transport = controller, transport
         self.metrics_path = self.output / METRICS
         self.show_progress = (
             config.progress if config.progress is not None else sys.stdout.isatty()
@@ -77,10 +79,13 @@ class Records:
             return
         wall = time.perf_counter() - self.started
         table = summary_table(
-            self.config, state, self.world_size, self.controller, synchronised, wall
-        )
+            self.config, state, self.world_size, self.controller, synchronised, wall,
+            self.transport,
+        )  # fmt: skip
         say(table)
-        advice = waiting_advice(self.config, state, self.world_size, self.controller)
+        advice = waiting_advice(
+            self.config, state, self.world_size, self.controller, self.transport
+        )
         if advice:
             say(advice, sys.stderr)
 

@@ -23,9 +23,11 @@ def summary_table(
     controller: str,
     synchronised: str,
     wall: float,
+    transport: str = "",
 ) -> str:
     """The closing table: epochs, best validation, time, throughput; with several ranks, how
-    long they waited, and how they stayed in step (`synchronised`, the strategy's words)."""
+    long they waited, over what (`transport`: how Gloo moves bytes within a host) and how
+    they stayed in step (`synchronised`, the strategy's words)."""
     samples = sum(h["samples"] for h in state.history)
     seconds = sum(h["seconds"] for h in state.history)
     rows = [("epochs run", f"{state.epoch}")]
@@ -41,22 +43,25 @@ def summary_table(
     ]
     if world_size > 1:
         rows.append(("waiting for other ranks", f"{waiting_share(state):.0%} of training time"))
-        rows.append(("controller", f"{CONTROLLER_NAMES[controller]}; {synchronised}"))
+        over = f" over {transport}" if transport else ""
+        rows.append(("controller", f"{CONTROLLER_NAMES[controller]}{over}; {synchronised}"))
     rows.append(("output", f"{config.output}"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
 
 def waiting_advice(
-    config: TrainConfig, state: LoopState, world_size: int, controller: str
+    config: TrainConfig, state: LoopState, world_size: int, controller: str, transport: str = ""
 ) -> str | None:
     """When the ranks waited more than they trained: what makes synchronising cheaper here."""
     waiting = waiting_share(state)
     if world_size == 1 or waiting <= WAITING_HINT:
         return None
-    cheaper = {"gloo": "horovodrun --mpi with one rank per core, "}.get(controller, "")
-    if controller == "mpi" and config.allreduce == "horovod":
+    cheaper = ""
+    if config.allreduce == "horovod":
         cheaper = "--allreduce auto, "
+    elif transport.startswith("TCP"):
+        cheaper = "horovodrun --mpi with one rank per core, "
     return (
         f"hvd-cpu: the ranks waited for each other {waiting:.0%} of the time: cheaper or "
         f"fewer synchronisations pay here ({cheaper}a larger --batch-size, --sync-every "

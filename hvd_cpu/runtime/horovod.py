@@ -1,12 +1,14 @@
 """Every direct Horovod call of hvd-cpu, so the rest of the code never imports Horovod.
 
 Horovod has two controllers, and which one a job uses is decided by how it was started:
-`horovodrun --gloo` (or a plain process) runs Gloo over TCP; `horovodrun --mpi`, `mpirun`,
-`srun --mpi=pmix` or a user's own mpi4py program run MPI, whose shared-memory transport is
-what makes several ranks on one host pay.
+`horovodrun --gloo` (or a plain process) runs Gloo; `horovodrun --mpi`, `mpirun`, `srun
+--mpi=pmix` or a user's own mpi4py program run MPI. Between the ranks of one host both move
+bytes through shared memory, which is what makes several ranks on one host pay: MPI by
+itself, Gloo through our build's gloo-shared-memory patch (TCP without it).
 
 In sections: joining and leaving the job (`init`, `World`, whose `collectives` are chosen
-there once: Horovod's, or under MPI our own communicator's, runtime/mpi.py); launching ranks
+there once: Horovod's, under Gloo with shared memory its direct allreduce beside them, or
+under MPI our own communicator's, runtime/mpi.py); launching ranks
 from Python (`launch`); Horovod's collectives and its DistributedOptimizer (what the default
 gradient synchronisation of training/sync.py wraps); Horovod's elastic mode. Cores and
 threads are in cores.py, how a rank's process ends in lifecycle.py.
@@ -61,6 +63,10 @@ MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 # between (docs/measurements.md: 100 ms against the default 1 ms).
 CYCLE_MS = "100"
 WAKE_ON_WAIT_PATCH = f"horovod-{horovod.__version__}-wake-on-wait.patch"
+SHARED_MEMORY_PATCH = f"horovod-{horovod.__version__}-gloo-shared-memory.patch"
+# Set to 0 by a user who wants Gloo's TCP between the ranks of a host too.
+SHARED_MEMORY_SWITCH = "HOROVOD_GLOO_SHARED_MEMORY"
+SHARED_MEMORY = "shared memory"
 # --elastic runs over Gloo (options.py refuses --allreduce direct with it).
 ELASTIC_AVERAGING = Averaging("horovod", "--elastic runs over Gloo")
 # Raised by a collective when another rank has gone (crashed, killed, host lost).
@@ -79,10 +85,21 @@ class World:
     collectives: Collectives
     controller: str = "gloo"  # "mpi" or "gloo": who carries Horovod's collectives
     averaging: Averaging = ELASTIC_AVERAGING  # how steps average gradients, and why
+    # How Gloo moves bytes between the ranks of a host: "shared memory", or "TCP (why)"; "" MPI.
+    transport: str = ""
 
     @property
     def is_root(self) -> bool:
         return self.rank == 0
+
+    @property
+    def notes(self) -> list[str]:
+        """What the user should know about how this job runs: Gloo fell back to TCP between
+        ranks of one host (unless the user turned shared memory off)."""
+        fell_back = self.transport.startswith("TCP") and self.local_size > 1
+        if fell_back and os.environ.get(SHARED_MEMORY_SWITCH) != "0":
+            return [f"note: Gloo runs over {self.transport} between ranks of a host, slower"]
+        return []
 
     def alone(self) -> World:
         """This process as a job of one (a rank under --elastic preparing on its own)."""
@@ -113,9 +130,7 @@ def init(
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(math.ceil(stall_seconds) + 30))
     if wakes_on_wait():
         os.environ.setdefault("HOROVOD_CYCLE_TIME", CYCLE_MS)
-    mpi = None
     under_mpi = comm is not None or mpi_launched()
-    averaging = resolve_allreduce(allreduce, mpi=under_mpi)
     if under_mpi:
         if not hvd.mpi_built():
             raise InputError(
@@ -125,7 +140,6 @@ def init(
         yield_when_oversubscribed()
         comm = checked_communicator(comm)
         hvd.init(comm=comm)
-        mpi = comm
     else:
         # A plain process is a job of one: Gloo's needs no launcher (MPI's would start a
         # singleton MPI runtime for nothing).
@@ -135,16 +149,29 @@ def init(
     # A job of one exchanges nothing: each collective through Horovod's background thread
     # would cost a hand-over to it and back, and a fit makes dozens of them.
     collectives: Collectives = Alone()
-    if hvd.size() > 1:
-        collectives = HorovodCollectives() if mpi is None else MpiCollectives(mpi.Dup())
-    world = _world(threads, hvd.local_size(), collectives, averaging)
+    transport = ""
+    if under_mpi:
+        averaging = resolve_allreduce(allreduce, direct_allreduce_over("mpi"))
+        if hvd.size() > 1:
+            collectives = MpiCollectives(comm.Dup())
+    else:
+        transport = gloo_transport()
+        direct = direct_allreduce_over("gloo") if transport == SHARED_MEMORY else None
+        averaging = resolve_allreduce(allreduce, direct, f"(Gloo over {transport})")
+        if hvd.size() > 1:
+            collectives = SharedMemoryCollectives() if direct else HorovodCollectives()
+    world = _world(threads, hvd.local_size(), collectives, averaging, transport)
     if not elastic_launched():
         watchdog.watch(world.rank, world.size, collectives, stall_seconds, elastic=False)
     return world
 
 
 def _world(
-    threads: int | None, ranks_here: int, collectives: Collectives, averaging: Averaging
+    threads: int | None,
+    ranks_here: int,
+    collectives: Collectives,
+    averaging: Averaging,
+    transport: str,
 ) -> World:
     """The World, with this rank's share of the machine's cores unless `threads` is fixed."""
     controller = "mpi" if hvd.mpi_enabled() else "gloo"
@@ -152,8 +179,28 @@ def _world(
     torch.set_num_threads(threads)
     return World(
         hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), threads, collectives,
-        controller, averaging,
+        controller, averaging, transport,
     )  # fmt: skip
+
+
+def direct_allreduce_over(controller: str) -> str | None:
+    """Where `controller` has a direct allreduce (one collective from the training thread,
+    --allreduce direct), in words: MPI always; Gloo on our build, when its ranks share memory
+    (known only once the job runs: init decides for sure)."""
+    if controller == "mpi":
+        return "under MPI"
+    return "over Gloo's shared memory" if _has_patch(SHARED_MEMORY_PATCH) else None
+
+
+def gloo_transport() -> str:
+    """How Horovod's Gloo collectives move bytes between the ranks of a host: through shared
+    memory (our build's gloo-shared-memory patch, where every host's ranks can share a segment
+    in /dev/shm), or TCP, and why."""
+    if not _has_patch(SHARED_MEMORY_PATCH):
+        why_not = "this Horovod has no gloo-shared-memory patch; hvd-cpu install-horovod builds it"
+    else:
+        why_not = hvd.gloo_shared_memory()
+    return f"TCP ({why_not})" if why_not else SHARED_MEMORY
 
 
 def mpi_launched() -> bool:
@@ -247,11 +294,16 @@ def check_mpi_launcher() -> None:
 def wakes_on_wait() -> bool:
     """Whether this Horovod is hvd-cpu's build with the wake-on-wait patch. Any other (one a
     user built or installed) keeps its cycle: at 100 ms, each collective would wait for it."""
+    return _has_patch(WAKE_ON_WAIT_PATCH)
+
+
+def _has_patch(name: str) -> bool:
+    """Whether this Horovod is hvd-cpu's build, with the patch `name`."""
     try:
         from horovod.hvd_cpu_build import BUILD  # written by hvd-cpu install-horovod
     except ImportError:
         return False
-    return WAKE_ON_WAIT_PATCH in BUILD["patches"]
+    return name in BUILD["patches"]
 
 
 # Horovod's collectives and its DistributedOptimizer
@@ -279,6 +331,22 @@ class HorovodCollectives(Collectives):
 
     def gather(self, obj: Any, name: str) -> list[Any]:
         return hvd.allgather_object(obj, name=name)
+
+
+class SharedMemoryCollectives(HorovodCollectives):
+    """Under Gloo through shared memory: sums and averages from the calling thread, with no
+    hand-over to Horovod's cycle (hvd.direct_allreduce_: shared memory within each host, TCP
+    between one rank per host), which is what --allreduce direct averages gradients over;
+    the rest through Horovod, whose Gloo collectives use shared memory too. Matched by order."""
+
+    in_calling_thread = True
+
+    def sum(self, values: torch.Tensor, name: str) -> torch.Tensor:
+        summed = values.detach().clone(memory_format=torch.contiguous_format)
+        return hvd.direct_allreduce_(summed, op=hvd.Sum)
+
+    def average_(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return hvd.direct_allreduce_(tensor, op=hvd.Average)
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
@@ -317,7 +385,7 @@ def elastic_world(threads: int | None, stall_seconds: float) -> World:
     here = socket.gethostname()
     collectives = HorovodCollectives()
     ranks_here = collectives.gather(here, "machine_names").count(here)
-    world = _world(threads, ranks_here, collectives, ELASTIC_AVERAGING)
+    world = _world(threads, ranks_here, collectives, ELASTIC_AVERAGING, gloo_transport())
     watchdog.watch(world.rank, world.size, collectives, stall_seconds, elastic=True)
     return world
 

@@ -51,7 +51,7 @@ class Setting:
     batch_size: int  # per rank
     sync_every: int  # 1: gradients averaged every step; K: local SGD
     controller: str = "gloo"  # of a job of several processes
-    allreduce: str = "horovod"  # of every-step averaging: horovod or direct (MPI only)
+    allreduce: str = "horovod"  # of every-step averaging: horovod or direct
 
     def label(self) -> str:
         if self.sync_every > 1:
@@ -106,7 +106,7 @@ def default_process_counts(cores: int) -> tuple[int, ...]:
 def jobs(config: BenchConfig) -> list[list[Setting]]:
     """The settings of each job to launch. One process tries one thread and all cores'
     threads; N processes share the cores (as `train` does by default) and, under each
-    controller, try each sync interval (and over MPI, the direct allreduce too)."""
+    controller, try each sync interval (and the direct allreduce too where there is one)."""
     found = []
     for processes in config.process_counts:
         if processes == 1:
@@ -118,7 +118,7 @@ def jobs(config: BenchConfig) -> list[list[Setting]]:
         threads = max(1, config.cores // processes)
         for controller in config.controllers:
             ways = [(k, "horovod") for k in config.sync_intervals]
-            if controller == "mpi" and 1 in config.sync_intervals:
+            if horovod.direct_allreduce_over(controller) and 1 in config.sync_intervals:
                 ways.insert(1, (1, "direct"))
             settings = [
                 Setting(processes, threads, batch, k, controller, allreduce)
@@ -140,6 +140,8 @@ def _measure_on_rank(
     first_step = time.time()
     measurements = []
     for setting in settings:
+        if setting.allreduce == "direct" and not world.collectives.in_calling_thread:
+            continue  # Gloo fell back to TCP here: there is no direct allreduce to measure
         config = replace(
             train_config,
             batch_size=setting.batch_size,
@@ -322,7 +324,7 @@ def command_line(setting: Setting, train_config: TrainConfig, cores: int) -> str
 
 def _allreduce_option(setting: Setting) -> str:
     """--allreduce for `setting`: auto where auto picks the same (or nothing is averaged)."""
-    auto = resolve_allreduce("auto", mpi=setting.controller == "mpi")
+    auto = resolve_allreduce("auto", horovod.direct_allreduce_over(setting.controller))
     if setting.processes == 1 or setting.sync_every > 1 or setting.allreduce == auto.allreduce:
         return "auto"
     return setting.allreduce

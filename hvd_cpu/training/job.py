@@ -41,14 +41,14 @@ class Job:
         self.trainer.restore(resumed)
         self.saved_epoch = self.trainer.state.epoch if resumed else None
         self.started = True
-        notes = self.prepared.transform.report.lines()
+        notes = [*world.notes, *self.prepared.transform.report.lines()]
         self.write_root(world, partial(self.open_records, world, notes))
 
     def open_records(self, world: World, notes: list[str]) -> None:
         """Rank 0: (re)start its records from the loop's history; rank 0 may be new, and the
         last commit may be older than the last epoch written."""
         if self.records is None:
-            self.records = Records(self.config, world.size, world.controller)
+            self.records = Records(self.config, world.size, world.controller, world.transport)
         self.records.world_size = world.size
         self.records.start(notes, self.trainer.state.history)
 

@@ -3,10 +3,10 @@ optimizer classes are), chosen once by `choose`. A new strategy is one new subcl
 
 - `HorovodAveraging` (the default): Horovod's DistributedOptimizer averages every gradient
   each step, on its background thread, as backward produces them (either controller).
-- `DirectAveraging` (--allreduce direct, and auto's choice under MPI): the gradients live in
-  one flat buffer per dtype (each parameter's .grad is a view into it), averaged by one
-  collective from the training thread: no copies, no hooks, no hand-over to Horovod's
-  background thread (MPI controller only; runtime/mpi.py says why).
+- `DirectAveraging` (--allreduce direct, and auto's choice where there is one): the gradients
+  live in one flat buffer per dtype (each parameter's .grad is a view into it), averaged by
+  one collective from the training thread: no copies, no hooks, no hand-over to Horovod's
+  cycle (MPI's, or Gloo's through shared memory: runtime/mpi.py and horovod.py say why).
 - `LocalSGD` (--sync-every K > 1): each rank steps on its own batches; the parameters are
   averaged every K steps and at the end of each epoch: K times fewer waits.
 
@@ -28,7 +28,8 @@ from hvd_cpu.errors import InputError
 from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.collectives import Collectives
 
-# Parameter dtypes MPI cannot sum (numpy has no bfloat16; MPI no float16 sum).
+# Parameter dtypes the direct allreduces cannot sum (numpy and Horovod's Gloo have no bfloat16;
+# MPI no float16 sum).
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -66,7 +67,7 @@ class HorovodAveraging(GradientSync):
 
 
 class DirectAveraging(GradientSync):
-    described = "gradients averaged by one MPI allreduce per step"
+    described = "gradients averaged by one allreduce per step"
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, collectives: Collectives
@@ -92,7 +93,7 @@ class DirectAveraging(GradientSync):
     def step(self, steps_taken: int) -> float:
         start = time.perf_counter()
         for flat in self.buffers:
-            if flat.dtype in HALF_DTYPES:  # MPI has no sum of these: summed as float32
+            if flat.dtype in HALF_DTYPES:  # summed as float32 (see HALF_DTYPES)
                 flat.copy_(self.collectives.average_(flat.float(), "gradients"))
             else:
                 self.collectives.average_(flat, "gradients")
@@ -152,8 +153,9 @@ def choose(
     if world.averaging.allreduce == "direct":
         if not world.collectives.in_calling_thread:
             raise InputError(
-                "--allreduce direct needs the MPI controller: launch with horovodrun --mpi "
-                "or mpirun, or leave out --allreduce direct"
+                "--allreduce direct needs MPI or Gloo through shared memory, and this job runs "
+                f"Gloo over {world.transport}: launch with horovodrun --mpi, or leave out "
+                "--allreduce direct"
             )
         chosen = DirectAveraging(optimizer, model, world.collectives)
     else:

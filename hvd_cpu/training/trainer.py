@@ -231,6 +231,7 @@ def rank_report(world: World, trainer: Trainer, first_step_unix: float) -> dict[
         "pid": os.getpid(),
         "threads": world.threads,
         "controller": world.controller,
+        "transport": world.transport,
         "sync": trainer.sync.described,
         "shard_rows": len(trainer.batches.sampler),
         "rows_read": len(trainer.batches.x),  # encoded here: all rows, or its own (--shard-read)
