@@ -71,27 +71,50 @@ def run_hosts(hosts: Hosts, output: Path, *args: str, **env: str) -> Run:
     )
 
 
+def ranks_of(output: Path) -> list[dict]:
+    return json.loads((output / "ranks.json").read_text())
+
+
 def spread_over_both_hosts(output: Path, controller: str) -> None:
     """Ranks 0, 1 on the first host and 2, 3 on the second, all on `controller`, all ending
     with the same parameters."""
-    ranks = json.loads((output / "ranks.json").read_text())
+    ranks = ranks_of(output)
     assert [r["host"] for r in ranks] == ["hvdhosta", "hvdhosta", "hvdhostb", "hvdhostb"]
     assert {r["controller"] for r in ranks} == {controller}
     assert len({r["param_sha256"] for r in ranks}) == 1
 
 
+def parameters(folder: Path) -> dict[str, torch.Tensor]:
+    return torch.load(folder / "model.pt", weights_only=True)["state_dict"]
+
+
+def assert_close_parameters(got: Path, want: Path) -> None:
+    """Within float rounding: 4 ranks may sum in another order."""
+    ours, theirs = parameters(got), parameters(want)
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-5, msg=name)
+
+
 def test_four_ranks_on_two_hosts_train_like_four_on_one(
     hosts: Hosts, local_four: Path, tmp_path: Path
 ) -> None:
-    """Gloo, run-hosts.sh's default controller."""
+    """Gloo, run-hosts.sh's default controller: through shared memory within each host and
+    TCP between them (hierarchical), as flat TCP gives (HOROVOD_GLOO_SHARED_MEMORY=0)."""
     spread = run_hosts(hosts, tmp_path / "spread")
     assert spread.returncode == 0, spread.stdout + spread.stderr
     spread_over_both_hosts(tmp_path / "spread", "gloo")
+    assert {r["transport"] for r in ranks_of(tmp_path / "spread")} == {"shared memory"}
 
     def losses(folder: Path) -> list[float]:
         return [record["train_loss"] for record in metrics(folder)]
 
     assert losses(tmp_path / "spread") == pytest.approx(losses(local_four), rel=1e-6)
+    flat = run_hosts(hosts, tmp_path / "flat", HOROVOD_GLOO_SHARED_MEMORY="0")
+    assert flat.returncode == 0, flat.stdout + flat.stderr
+    transports = {r["transport"] for r in ranks_of(tmp_path / "flat")}
+    assert transports == {"TCP (turned off by HOROVOD_GLOO_SHARED_MEMORY=0)"}
+    assert_close_parameters(tmp_path / "spread", tmp_path / "flat")
 
 
 @pytest.mark.parametrize(
@@ -112,14 +135,7 @@ def test_four_mpi_ranks_on_two_hosts_train_like_four_gloo_ranks_on_one(
     )
     assert spread.returncode == 0, spread.stdout + spread.stderr
     spread_over_both_hosts(tmp_path / "spread", "mpi")
-
-    def parameters(folder: Path) -> dict[str, torch.Tensor]:
-        return torch.load(folder / "model.pt", weights_only=True)["state_dict"]
-
-    got, want = parameters(tmp_path / "spread"), parameters(local_four)
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+    assert_close_parameters(tmp_path / "spread", local_four)
 
 
 def test_doctor_passes_on_a_good_set_up(hosts: Hosts, tmp_path: Path) -> None:
