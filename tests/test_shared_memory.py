@@ -149,3 +149,36 @@ def test_this_build_has_the_direct_allreduce_and_says_why_it_is_off() -> None:
     job = run([str(BIN / "python"), "-c", code], env=gloo)
     assert job.returncode == 0, job.stderr
     assert job.stdout.splitlines() == ["one rank", "direct_allreduce_: one rank"]
+
+
+def test_distributed_optimizer_averages_in_one_allreduce_as_its_hooks_did() -> None:
+    """The optimizer-one-allreduce patch: hvd.DistributedOptimizer on CPU, where Gloo's ranks
+    share memory, averages every gradient in one allreduce at synchronize(); over TCP its
+    hooks hand each gradient to Horovod's cycle as before. Both end with the same parameters
+    (two ranks sum a + b alike), an unused parameter's gradient counted as zeros in both."""
+    code = (
+        "import hashlib, torch, horovod.torch as hvd\n"
+        "hvd.init(); torch.manual_seed(0)\n"
+        "layers = {'used': torch.nn.Linear(5, 3), 'unused': torch.nn.Linear(2, 2)}\n"
+        "net = torch.nn.ModuleDict(layers)\n"
+        "inner = torch.optim.Adam(net.parameters(), lr=0.01)\n"
+        "opt = hvd.DistributedOptimizer(inner, named_parameters=net.named_parameters())\n"
+        "hvd.broadcast_parameters(net.state_dict(), root_rank=0)\n"
+        "g = torch.Generator().manual_seed(hvd.rank())\n"
+        "for _ in range(20):\n"
+        "    opt.zero_grad()\n"
+        "    net['used'](torch.randn(8, 5, generator=g)).square().mean().backward()\n"
+        "    opt.step()\n"
+        "flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])\n"
+        "way = 'one' if opt._one_allreduce else 'hooks'\n"
+        "print(way, hashlib.sha256(flat.numpy().tobytes()).hexdigest())\n"
+    )
+    said = {}
+    for shared_memory in ("1", "0"):
+        command = horovodrun_command(2, program=(str(BIN / "python"), "-c", code))
+        job = run(command, env={"HOROVOD_GLOO_SHARED_MEMORY": shared_memory})
+        assert job.returncode == 0, job.stdout + job.stderr
+        said[shared_memory] = {text for _, text in job.rank_lines() if text.strip()}
+    (one,), (hooks,) = said["1"], said["0"]
+    assert one.split()[0] == "one" and hooks.split()[0] == "hooks"
+    assert one.split()[1] == hooks.split()[1]
