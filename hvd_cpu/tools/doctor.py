@@ -207,7 +207,8 @@ def controllers_check(here: dict[str, Any]) -> Check:
     return Check(
         "Horovod controllers", "this host", build["pytorch"] and build["gloo"],
         f"horovod {here['versions']['horovod']}: {shown}",
-        "run hvd-cpu install-horovod: it builds Gloo, and MPI where Open MPI is installed",
+        "run hvd-cpu install-horovod: it builds Gloo, and MPI with the machine's Open MPI or "
+        "one from PyPI",
     )  # fmt: skip
 
 
