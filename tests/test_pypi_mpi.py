@@ -99,3 +99,18 @@ def test_horovodrun_launches_with_the_mpirun_of_its_environment(environment: Pat
     job = horovodrun_hostname(environment / "bin" / "python", path="/nonexistent")
     assert job.returncode == 0, job.stdout + job.stderr
     assert len(job.stdout.strip().splitlines()) == 2, job.stdout
+
+
+def test_doctor_finds_the_open_mpi_of_its_environment(environment: Path) -> None:
+    """`hvd-cpu doctor` checks the mpirun and prted that horovodrun will use: those beside
+    its Python, not on the PATH of an environment that is not activated."""
+    found = in_environment(
+        environment,
+        "import json; from hvd_cpu.tools.doctor import open_mpi; print(json.dumps(open_mpi()))",
+        path="/nonexistent",
+    )
+    assert found.returncode == 0, found.stderr
+    answer = json.loads(found.stdout)
+    assert answer["mpirun"] == str(environment / "bin" / "mpirun")
+    assert answer["orted"] == str(environment / "bin" / "prted")
+    assert re.fullmatch(r"Open MPI 5\.0\.\d+", answer["version"])
