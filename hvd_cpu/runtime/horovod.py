@@ -21,10 +21,12 @@ import math
 import os
 import shutil
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import horovod
@@ -50,9 +52,10 @@ from hvd_cpu.runtime.mpi import (
     yield_when_oversubscribed,
 )
 
-# How a Gloo-only build (made where no Open MPI was installed) gets MPI.
+# How a Gloo-only build (asked for, or made where no Open MPI could be had) gets MPI.
 WITH_MPI = (
-    "install Open MPI (Debian/Ubuntu: openmpi-bin libopenmpi-dev) and rerun hvd-cpu install-horovod"
+    "rerun hvd-cpu install-horovod without --without-mpi (it takes the machine's Open MPI, "
+    "else it installs Open MPI from PyPI)"
 )
 # Set by an MPI launcher (mpirun, horovodrun --mpi, srun --mpi=pmix), not by horovodrun --gloo.
 MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
@@ -284,7 +287,9 @@ def check_mpi_launcher() -> None:
             f"this Horovod was built without MPI; {WITH_MPI}, or use the Gloo controller "
             "(controller='gloo')"
         )
-    if shutil.which("mpirun") is None:
+    # Open MPI from PyPI is in this Python's bin folder, on the PATH or not (a notebook's
+    # kernel); Horovod's launcher takes it from there (the pypi-mpirun patch).
+    if shutil.which("mpirun") is None and not (Path(sys.executable).parent / "mpirun").is_file():
         raise InputError(
             "mpirun not found on PATH; install Open MPI (Debian: apt-get install openmpi-bin) "
             "or use the Gloo controller (horovodrun --gloo, controller='gloo')"

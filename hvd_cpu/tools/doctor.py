@@ -82,12 +82,19 @@ def _horovod_build() -> dict[str, bool]:
 def open_mpi() -> dict[str, str | None]:
     """Where this host's `mpirun` and `orted` are, and Open MPI's version.
 
-    Run over ssh this sees the PATH of a non-interactive ssh session, the one in which mpirun
-    starts `orted` on every other host of an MPI job.
+    Those beside this Python first: Open MPI from PyPI, which horovodrun launches with (the
+    pypi-mpirun patch) and which starts `prted` on the other hosts from its own folder. Else
+    the PATH's: run over ssh this sees the PATH of a non-interactive ssh session, the one in
+    which mpirun starts `orted` on every other host of an MPI job.
     """
+
+    def where(program: str) -> str | None:
+        beside = Path(sys.executable).parent / program
+        return str(beside) if beside.is_file() else shutil.which(program)
+
     found: dict[str, str | None] = {
-        "mpirun": shutil.which("mpirun"),
-        "orted": shutil.which("orted") or shutil.which("prted"),  # Open MPI 5's name for it
+        "mpirun": where("mpirun"),
+        "orted": where("orted") or where("prted"),  # Open MPI 5's name for it
     }
     found["version"] = None
     if found["mpirun"]:
@@ -207,7 +214,8 @@ def controllers_check(here: dict[str, Any]) -> Check:
     return Check(
         "Horovod controllers", "this host", build["pytorch"] and build["gloo"],
         f"horovod {here['versions']['horovod']}: {shown}",
-        "run hvd-cpu install-horovod: it builds Gloo, and MPI where Open MPI is installed",
+        "run hvd-cpu install-horovod: it builds Gloo, and MPI with the machine's Open MPI or "
+        "one from PyPI",
     )  # fmt: skip
 
 

@@ -56,7 +56,7 @@ fi
 volumes=(-v /etc/ssl/certs/ca-certificates.crt:/run/host-ca.crt:ro)
 build_args=(--build-arg PIP_CERT=/run/host-ca.crt)
 # This machine's wheel cache: a Horovod wheel built for the image's Debian, Python, torch and
-# Open MPI (tests/test_fresh_install.py leaves one for trixie) saves the build its compile.
+# Open MPI (an earlier image build leaves one there) saves the build its compile.
 volumes+=(-v "$cache:/run/hvd-cpu-cache")
 build_args+=(--build-arg HVD_CPU_CACHE=/run/hvd-cpu-cache)
 if compgen -G "/opt/wheels/torch-*.whl" >/dev/null; then
