@@ -12,7 +12,7 @@ import pytest
 from hvd_cpu.config.files import RECORD
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.output.records import Records
-from hvd_cpu.output.summary import summary_table, waiting_advice
+from hvd_cpu.output.summary import Shape, summary_table, waiting_advice
 from hvd_cpu.training.state import EpochMetrics, LoopState
 
 
@@ -32,7 +32,7 @@ def test_metrics_restart_from_the_resumed_history_then_grow_by_one_line_an_epoch
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = TrainConfig(output=tmp_path / "run", progress=False)
-    records = Records(config, world_size=2, controller="gloo")
+    records = Records(config, Shape(2))
     records.start(["dropped 3 rows"], [metrics(1).record()])
     records.epoch(metrics(2, val=0.5))
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -47,7 +47,7 @@ def test_metrics_restart_from_the_resumed_history_then_grow_by_one_line_an_epoch
 def test_quiet_writes_the_files_and_prints_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    records = Records(TrainConfig(output=tmp_path, quiet=True), 1, "gloo")
+    records = Records(TrainConfig(output=tmp_path, quiet=True), Shape(1))
     records.start([], [])
     records.epoch(metrics(1))
     records.summary(state_of(metrics(1)), "gradients averaged")
@@ -58,7 +58,7 @@ def test_quiet_writes_the_files_and_prints_nothing(
 def test_ranks_that_end_with_different_parameters_are_warned_about(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    records = Records(TrainConfig(output=tmp_path), 2, "gloo")
+    records = Records(TrainConfig(output=tmp_path), Shape(2))
     same = [{"rank": 0, "param_sha256": "a"}, {"rank": 1, "param_sha256": "a"}]
     records.ranks(same)
     assert capsys.readouterr().err == ""
@@ -69,7 +69,7 @@ def test_ranks_that_end_with_different_parameters_are_warned_about(
 
 def test_the_table_of_one_process_has_no_rows_about_other_ranks(tmp_path: Path) -> None:
     state = state_of(metrics(1, val=0.9), metrics(2, val=0.7), metrics(3, val=0.8))
-    table = summary_table(TrainConfig(output=tmp_path), state, 1, "gloo", "unsaid", wall=7.0)
+    table = summary_table(TrainConfig(output=tmp_path), state, Shape(1), "unsaid", wall=7.0)
     names = [line.split("  ")[1] for line in table.splitlines()]
     assert names == [
         "epochs run", "best epoch", "best validation loss", "final train loss",
@@ -88,7 +88,7 @@ def test_the_table_of_several_ranks_says_how_long_they_waited_and_how_they_kept_
 ) -> None:
     state = state_of(metrics(1, wait=0.5))
     synchronised = "parameters averaged every 8 steps"
-    table = summary_table(TrainConfig(), state, 2, controller, synchronised, 3.0, transport)
+    table = summary_table(TrainConfig(), state, Shape(2, controller, transport), synchronised, 3.0)
     assert "  waiting for other ranks  25% of training time\n" in table
     assert f"  controller               {name}; parameters averaged every 8 steps\n" in table
 
@@ -109,10 +109,21 @@ def test_advice_comes_only_past_half_the_time_waiting_and_names_the_cheaper_path
     config = TrainConfig(**options)
 
     def advice(wait: float, ranks: int = 2) -> str | None:
-        return waiting_advice(config, state_of(metrics(1, wait=wait)), ranks, controller, transport)
+        shape = Shape(ranks, controller, transport, ranks_here=ranks, cores_here=2)
+        return waiting_advice(config, state_of(metrics(1, wait=wait)), shape)
 
     assert advice(1.0) is None  # 50 %
     given = advice(1.2)
     assert given is not None and "waited for each other 60% of the time" in given
     assert cheaper in given
     assert advice(1.9, ranks=1) is None
+
+
+def test_more_ranks_than_cores_is_said_to_be_why_they_waited() -> None:
+    shape = Shape(4, "gloo", "shared memory", ranks_here=4, cores_here=2)
+    advice = waiting_advice(TrainConfig(), state_of(metrics(1, wait=1.2)), shape)
+    assert advice == (
+        "hvd-cpu: the ranks waited for each other 60% of the time: 4 ranks share 2 cores on "
+        "this host, so each waits while others compute; one rank per core (-np 2 here) or a "
+        "larger --batch-size pays more; `hvd-cpu bench` measures which"
+    )

@@ -124,7 +124,7 @@ def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
     expected = {(1, t, b, 1, "gloo", "horovod") for t in threads for b in (64, 256)}
     for controller, ways in [
         ("mpi", [(1, "horovod"), (1, "direct"), (4, "horovod")]),
-        ("gloo", [(1, "horovod"), (4, "horovod")]),
+        ("gloo", [(1, "horovod"), (1, "direct"), (4, "horovod")]),
     ]:
         expected |= {
             (2, max(1, cores // 2), b, k, controller, allreduce)
@@ -177,7 +177,8 @@ def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
         averaged = SYNC_WORDS[recommended["allreduce"]]
         assert all(r["sync"].startswith(averaged) for r in ran), ran
     # --allreduce auto picks what the benchmark found fastest under MPI (the choice, not a
-    # time), at batch 64: about 30 timed steps a rank (at 256 this frame gives 8: too few)
+    # time), at batch 64: about 30 timed steps a rank (at 256 this frame gives 8: too few).
+    # Not under Gloo: its hvd.DistributedOptimizer averages in one allreduce too, within noise.
     mpi = {
         m["setting"]["allreduce"]: m["samples_per_s"]
         for m in report["measurements"]

@@ -14,7 +14,7 @@ from hvd_cpu.config.files import RECORD, record
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.output.console import Progress, say
 from hvd_cpu.output.model_files import MODEL
-from hvd_cpu.output.summary import summary_table, waiting_advice
+from hvd_cpu.output.summary import Shape, summary_table, waiting_advice
 from hvd_cpu.output.tracking import Tracking
 from hvd_cpu.training.state import EpochMetrics, LoopState
 
@@ -25,13 +25,10 @@ METRICS = "metrics.jsonl"
 class Records:
     """Rank 0's outputs for one training run."""
 
-    def __init__(
-        self, config: TrainConfig, world_size: int, controller: str, transport: str = ""
-    ) -> None:
+    def __init__(self, config: TrainConfig, shape: Shape) -> None:
         self.config = config
         self.output = config.output
-        self.world_size = world_size
-        self.controller, self.transport = controller, transport
+        self.shape = shape
         self.metrics_path = self.output / METRICS
         self.show_progress = (
             config.progress if config.progress is not None else sys.stdout.isatty()
@@ -39,7 +36,7 @@ class Records:
         self.bar: Progress | None = None
         self.started = time.perf_counter()
         # Before the first epoch: a tracker that cannot start ends the job (RunFailed) here.
-        params = {**config.to_dict(), "world_size": world_size, "controller": controller}
+        params = {**config.to_dict(), "world_size": shape.size, "controller": shape.controller}
         self.tracking = Tracking(config, params)
 
     def start(self, notes: list[str], history: list[dict[str, Any]]) -> None:
@@ -78,14 +75,8 @@ class Records:
         if self.config.quiet or not state.history:
             return
         wall = time.perf_counter() - self.started
-        table = summary_table(
-            self.config, state, self.world_size, self.controller, synchronised, wall,
-            self.transport,
-        )  # fmt: skip
-        say(table)
-        advice = waiting_advice(
-            self.config, state, self.world_size, self.controller, self.transport
-        )
+        say(summary_table(self.config, state, self.shape, synchronised, wall))
+        advice = waiting_advice(self.config, state, self.shape)
         if advice:
             say(advice, sys.stderr)
 

@@ -14,7 +14,9 @@ from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.output.model_files import CHECKPOINT, MODEL, Checkpoint, ModelFile
 from hvd_cpu.output.records import Records
+from hvd_cpu.output.summary import Shape
 from hvd_cpu.runtime import startup
+from hvd_cpu.runtime.cores import usable_cores
 from hvd_cpu.runtime.horovod import World
 from hvd_cpu.training.prepare import Prepared
 from hvd_cpu.training.state import EpochMetrics
@@ -47,9 +49,12 @@ class Job:
     def open_records(self, world: World, notes: list[str]) -> None:
         """Rank 0: (re)start its records from the loop's history; rank 0 may be new, and the
         last commit may be older than the last epoch written."""
+        shape = Shape(
+            world.size, world.controller, world.transport, world.local_size, usable_cores()
+        )
         if self.records is None:
-            self.records = Records(self.config, world.size, world.controller, world.transport)
-        self.records.world_size = world.size
+            self.records = Records(self.config, shape)
+        self.records.shape = shape
         self.records.start(notes, self.trainer.state.history)
 
     def write_root(self, world: World, write: Callable[[], None]) -> None:
