@@ -54,6 +54,9 @@ def main(frame_path: str, model_name: str, epochs: int, batch: int, out: str) ->
     if rank == 0:
         records[0]["first_step_unix"] = first_step_unix
         write_epochs(Path(out), records)
+    # Torch's Gloo aborted a rank that tore its group down while rank 0 still validated and
+    # wrote ("terminate called without an active exception", once in CI): leave together.
+    dist.barrier()
     dist.destroy_process_group()
 
 

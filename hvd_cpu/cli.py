@@ -311,11 +311,10 @@ def main() -> None:
         message = f"hvd-cpu: error: {' '.join(str(exc).split())}"
         _fail(lambda: click.echo(message, err=True), exc.exit_code, together=True)
     except Exception as exc:
-        from hvd_cpu.runtime import horovod, watchdog
+        from hvd_cpu.runtime import horovod
 
         if not isinstance(exc, horovod.PeerLost):
             raise
-        watchdog.explain_lost()  # a peer that fell silent first is named (and ends here)
         # Every surviving rank sees this, so each says it once, in one line, with its rank.
         reason = " ".join(str(exc).split())
         if reason.startswith("Horovod has been shut down"):  # generic: says only "see above"

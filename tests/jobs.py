@@ -141,7 +141,8 @@ def demo_file(path: Path, rows: int, features: int = 8) -> Path:
     return path
 
 
-# A step of Python that holds the GIL but for its switch interval, as a user's model can.
+# A model whose forward pass takes SECONDS: of Python that holds the GIL but for its switch
+# interval, as a user's model can (busy), or of sleep (a paced step that leaves the cores free).
 SLOW_MODEL = """
 import time
 
@@ -154,17 +155,19 @@ class Model(torch.nn.Module):
         self.layer = torch.nn.Linear(n_features, n_outputs)
 
     def forward(self, x):
-        end = time.monotonic() + 3
+        end = time.monotonic() + {seconds}
         while time.monotonic() < end:
-            pass
+            {wait}
         return self.layer(x)
 """
 
 
-def slow_model(folder: Path) -> str:
-    """--model for a model whose every forward pass takes 3 s of Python."""
-    (folder / "slow_model.py").write_text(SLOW_MODEL)
-    return f"{folder / 'slow_model.py'}:Model"
+def slow_model(folder: Path, seconds: float = 3, busy: bool = True) -> str:
+    """--model for a model whose every forward pass takes `seconds`, busy or asleep."""
+    wait = "pass" if busy else "time.sleep(end - time.monotonic())"
+    path = folder / f"slow_model_{round(seconds * 1000)}ms_{'busy' if busy else 'asleep'}.py"
+    path.write_text(SLOW_MODEL.format(seconds=seconds, wait=wait))
+    return f"{path}:Model"
 
 
 class LiveJob:

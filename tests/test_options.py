@@ -23,7 +23,7 @@ from hvd_cpu.tools import bench as bench_tool
 
 DEFAULTS = TrainConfig()
 # Between them every option set to something other than its default (one config cannot:
-# --elastic refuses --shard-read, --sync-every and --allreduce direct; --resume, --overwrite).
+# --elastic refuses --shard-read and --sync-every; --resume, --overwrite).
 CONFIGS = (
     TrainConfig(
         data=Path("frame.parquet"),

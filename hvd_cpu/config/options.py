@@ -400,10 +400,6 @@ class TrainConfig:
             )
         if self.sync_every > 1:
             raise InputError("--elastic averages gradients every step: leave out --sync-every")
-        if self.allreduce == "direct":
-            raise InputError(
-                "--elastic runs over Gloo and --allreduce direct needs MPI: leave out one of them"
-            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (paths as strings), for checkpoints and the exported model."""

@@ -70,8 +70,8 @@ SHARED_MEMORY_PATCH = f"horovod-{horovod.__version__}-gloo-shared-memory.patch"
 # Set to 0 by a user who wants Gloo's TCP between the ranks of a host too.
 SHARED_MEMORY_SWITCH = "HOROVOD_GLOO_SHARED_MEMORY"
 SHARED_MEMORY = "shared memory"
-# --elastic runs over Gloo (options.py refuses --allreduce direct with it).
-ELASTIC_AVERAGING = Averaging("horovod", "--elastic runs over Gloo")
+# A job of one: with nobody to wait for, Horovod's average is the gradient itself.
+ALONE_AVERAGING = Averaging("horovod", "a job of one")
 # Raised by a collective when another rank has gone (crashed, killed, host lost).
 PeerLost = hvd.HorovodInternalError
 
@@ -87,7 +87,7 @@ class World:
     threads: int
     collectives: Collectives
     controller: str = "gloo"  # "mpi" or "gloo": who carries Horovod's collectives
-    averaging: Averaging = ELASTIC_AVERAGING  # how steps average gradients, and why
+    averaging: Averaging = ALONE_AVERAGING  # how steps average gradients, and why
     # How Gloo moves bytes between the ranks of a host: "shared memory", or "TCP (why)"; "" MPI.
     transport: str = ""
 
@@ -380,8 +380,9 @@ def elastic_launched() -> bool:
     return os.environ.get("HOROVOD_ELASTIC") == "1"
 
 
-def elastic_world(threads: int | None, stall_seconds: float) -> World:
-    """This rank's place after an elastic (re)start, which may have changed it.
+def elastic_world(threads: int | None, stall_seconds: float, averaging: Averaging) -> World:
+    """This rank's place after an elastic (re)start, which may have changed it; it averages
+    as the job did when it began (`averaging`).
 
     Threads are shared out among the ranks on this machine, counted by its hostname: Horovod
     counts ranks per host *name*, and launch/discover-hosts.sh lists one machine under two.
@@ -390,7 +391,7 @@ def elastic_world(threads: int | None, stall_seconds: float) -> World:
     here = socket.gethostname()
     collectives = HorovodCollectives()
     ranks_here = collectives.gather(here, "machine_names").count(here)
-    world = _world(threads, ranks_here, collectives, ELASTIC_AVERAGING, gloo_transport())
+    world = _world(threads, ranks_here, collectives, averaging, gloo_transport())
     watchdog.watch(world.rank, world.size, collectives, stall_seconds, elastic=True)
     return world
 

@@ -68,7 +68,9 @@ class ElasticJob:
         may be gone, and another rank is rank 0 now), then rank 0's state."""
         job = self.job
         self.before = job.trainer.world.size
-        self.world = horovod.elastic_world(job.config.threads, job.config.stall_seconds)
+        self.world = horovod.elastic_world(
+            job.config.threads, job.config.stall_seconds, job.trainer.world.averaging
+        )
         job.trainer.resize(self.world)
         job.trainer.sync_from_root()
         shared = job.trainer.world.collectives.broadcast_object(

@@ -50,6 +50,11 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
         except BaseException:
             job.close(failed=True)
             raise
+    except horovod.PeerLost:
+        # While the watch still runs: a peer that fell silent first is named, by one rank,
+        # and a rank whose collective failed because another named it ends quietly.
+        watchdog.explain_lost()
+        raise
     finally:
         watchdog.stop()  # the others may finish later; this rank is not stalled, it is done
         lock.release(config.output)  # a Python caller's process goes on after the job
