@@ -15,7 +15,7 @@ from hvd_cpu.config.options import DEMO_FEATURES, DEMO_ROWS, TrainConfig
 from hvd_cpu.errors import InputError
 from hvd_cpu.output.model_files import CHECKPOINT
 from hvd_cpu.runtime.collectives import Alone
-from hvd_cpu.runtime.horovod import World
+from hvd_cpu.runtime.world import World
 from hvd_cpu.training.prepare import check_output, prepare
 
 ONE = World(0, 1, 0, 1, 1, Alone())

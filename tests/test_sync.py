@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from hvd_cpu.config.options import TrainConfig, resolve_allreduce
+from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.errors import InputError
 from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.collectives import Alone
-from hvd_cpu.runtime.horovod import World
+from hvd_cpu.runtime.world import SHARED_MEMORY, World
 from hvd_cpu.training import sync
 
 
@@ -31,14 +31,12 @@ class Halving(Alone):
         return tensor.mul_(0.5)
 
 
-def world_of(size: int, collectives: Alone, config: TrainConfig | None = None) -> World:
-    """A job of `size` over `collectives`, its --allreduce resolved as init resolves it: with a
-    backend that runs in the calling thread, MPI's; otherwise Gloo's over TCP."""
+def world_of(size: int, collectives: Alone) -> World:
+    """A job of `size` over `collectives`: with a backend that runs in the calling thread,
+    MPI's; otherwise Gloo's over TCP."""
     mpi = collectives.in_calling_thread
-    direct = horovod.direct_allreduce_over("mpi") if mpi else None
-    averaging = resolve_allreduce((config or TrainConfig()).allreduce, direct, "(Gloo over TCP)")
     controller, transport = ("mpi", "") if mpi else ("gloo", "TCP (turned off)")
-    return World(0, size, 0, size, 1, collectives, controller, averaging, transport)
+    return World(0, size, 0, size, 1, collectives, controller, transport)
 
 
 def model() -> nn.Module:
@@ -141,7 +139,7 @@ def test_the_options_choose_the_strategy(options: dict, size: int, expected: typ
     """Under MPI (a backend that runs in the calling thread); the summary says why."""
     net, config = model(), TrainConfig(**options)
     chosen = sync.choose(
-        config, torch.optim.SGD(net.parameters(), lr=0.1), net, world_of(size, Halving(), config)
+        config, torch.optim.SGD(net.parameters(), lr=0.1), net, world_of(size, Halving())
     )
     assert type(chosen) is expected
     if expected is sync.DirectAveraging:
@@ -162,8 +160,11 @@ def test_the_options_choose_the_strategy(options: dict, size: int, expected: typ
 def test_auto_is_direct_where_there_is_one_else_horovods_optimizer(
     requested: str, controller: str | None, allreduce: str
 ) -> None:
-    direct = horovod.direct_allreduce_over(controller) if controller else None
-    averaging = resolve_allreduce(requested, direct, "(Gloo over TCP (why))")
+    # Gloo through shared memory has a backend that runs in the calling thread, as MPI's.
+    transport = {"mpi": "", "gloo": SHARED_MEMORY, None: "TCP (why)"}[controller]
+    in_calling_thread = controller is not None
+    world = World(0, 2, 0, 2, 1, Halving(in_calling_thread), controller or "gloo", transport)
+    averaging = sync.averaging(requested, world)
     assert averaging.allreduce == allreduce
     assert averaging.why.startswith("auto: " if requested == "auto" else f"--allreduce {requested}")
     if requested == "auto" and controller is None:
@@ -175,7 +176,7 @@ def test_the_direct_allreduce_needs_a_backend_that_runs_in_the_calling_thread() 
     with pytest.raises(InputError, match="--allreduce direct needs MPI or Gloo through shared"):
         sync.choose(
             TrainConfig(allreduce="direct"), torch.optim.SGD(net.parameters(), lr=0.1), net,
-            world_of(2, Halving(in_calling_thread=False), TrainConfig(allreduce="direct")),
+            world_of(2, Halving(in_calling_thread=False)),
         )  # fmt: skip
 
 

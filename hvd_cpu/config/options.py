@@ -26,27 +26,6 @@ MIN_STALL_SECONDS = 2.0
 CONTROLLER_NAMES = {"mpi": "MPI", "gloo": "Gloo"}
 
 
-@dataclass(frozen=True)
-class Averaging:
-    """How a job averages gradients every step (--allreduce, `auto` resolved: horovod or
-    direct) and why: the summary and ranks.json say both."""
-
-    allreduce: str
-    why: str
-
-
-def resolve_allreduce(requested: str, direct_over: str | None, why_not: str = "") -> Averaging:
-    """What --allreduce means for this job: `auto` is the fastest exact average measured here
-    (docs/measurements.md), one allreduce per step from the training thread (direct) wherever
-    the controller has one, `direct_over` (MPI; Gloo through shared memory), also with more
-    ranks than cores; otherwise Horovod's DistributedOptimizer, and `why_not` says why."""
-    if requested != "auto":
-        return Averaging(requested, f"--allreduce {requested}")
-    if direct_over:
-        return Averaging("direct", f"auto: the fastest {direct_over}")
-    return Averaging("horovod", f"auto: no direct allreduce {why_not}")
-
-
 # --loss by name (losses.py builds them); anything with a ":" is the user's MODULE:FN.
 LOSS_NAMES = ("mse", "l1", "huber")
 
@@ -214,7 +193,7 @@ class TrainConfig:
     # How gradients are averaged every step: "horovod", hvd.DistributedOptimizer (Horovod's
     # cycle, either controller); "direct", one allreduce of all gradients in the training
     # thread (MPI, or Gloo through shared memory: much less per-step overhead, see README);
-    # "auto", the faster of the two for the job (resolve_allreduce).
+    # "auto", the faster of the two for the job (training/sync.py, `averaging`).
     allreduce: Literal["auto", "horovod", "direct"] = option(
         "auto",
         help="How gradients are averaged each step: horovod, hvd.DistributedOptimizer; direct, "

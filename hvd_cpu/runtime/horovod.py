@@ -6,10 +6,10 @@ Horovod has two controllers, and which one a job uses is decided by how it was s
 bytes through shared memory, which is what makes several ranks on one host pay: MPI by
 itself, Gloo through our build's gloo-shared-memory patch (TCP without it).
 
-In sections: joining and leaving the job (`init`, `World`, whose `collectives` are chosen
-there once: Horovod's, under Gloo with shared memory its direct allreduce beside them, or
-under MPI our own communicator's, runtime/mpi.py); launching ranks
-from Python (`launch`); Horovod's collectives and its DistributedOptimizer (what the default
+In sections: joining and leaving the job (`init` makes this rank's World, runtime/world.py,
+whose `collectives` one factory chooses, `_collectives`: a job of one's; under MPI our own
+communicator's, runtime/mpi.py; Horovod's, under Gloo through shared memory with its direct
+allreduce); launching ranks from Python (`launch`); Horovod's collectives and its DistributedOptimizer (what the default
 gradient synchronisation of training/sync.py wraps); Horovod's elastic mode. Cores and
 threads are in cores.py, how a rank's process ends in lifecycle.py.
 """
@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +34,7 @@ import torch
 from horovod.common.elastic import State, notification_manager
 from horovod.common.exceptions import HostsUpdatedInterrupt
 
-from hvd_cpu.config.options import (
-    CONTROLLER_NAMES,
-    Averaging,
-    resolve_allreduce,
-)
+from hvd_cpu.config.options import CONTROLLER_NAMES
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.runtime import watchdog
 from hvd_cpu.runtime.collectives import Alone, Collectives
@@ -51,6 +46,7 @@ from hvd_cpu.runtime.mpi import (
     finalize_mpi,
     yield_when_oversubscribed,
 )
+from hvd_cpu.runtime.world import SHARED_MEMORY, World
 
 # How a Gloo-only build (asked for, or made where no Open MPI could be had) gets MPI.
 WITH_MPI = (
@@ -67,46 +63,8 @@ MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 CYCLE_MS = "100"
 WAKE_ON_WAIT_PATCH = f"horovod-{horovod.__version__}-wake-on-wait.patch"
 SHARED_MEMORY_PATCH = f"horovod-{horovod.__version__}-gloo-shared-memory.patch"
-# Set to 0 by a user who wants Gloo's TCP between the ranks of a host too.
-SHARED_MEMORY_SWITCH = "HOROVOD_GLOO_SHARED_MEMORY"
-SHARED_MEMORY = "shared memory"
-# A job of one: with nobody to wait for, Horovod's average is the gradient itself.
-ALONE_AVERAGING = Averaging("horovod", "a job of one")
 # Raised by a collective when another rank has gone (crashed, killed, host lost).
 PeerLost = hvd.HorovodInternalError
-
-
-@dataclass(frozen=True)
-class World:
-    """Where this process stands in the job."""
-
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    threads: int
-    collectives: Collectives
-    controller: str = "gloo"  # "mpi" or "gloo": who carries Horovod's collectives
-    averaging: Averaging = ALONE_AVERAGING  # how steps average gradients, and why
-    # How Gloo moves bytes between the ranks of a host: "shared memory", or "TCP (why)"; "" MPI.
-    transport: str = ""
-
-    @property
-    def is_root(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def notes(self) -> list[str]:
-        """What the user should know about how this job runs: Gloo fell back to TCP between
-        ranks of one host (unless the user turned shared memory off)."""
-        fell_back = self.transport.startswith("TCP") and self.local_size > 1
-        if fell_back and os.environ.get(SHARED_MEMORY_SWITCH) != "0":
-            return [f"note: Gloo runs over {self.transport} between ranks of a host, slower"]
-        return []
-
-    def alone(self) -> World:
-        """This process as a job of one (a rank under --elastic preparing on its own)."""
-        return replace(self, rank=0, size=1, collectives=Alone())
 
 
 # Joining and leaving the job
@@ -115,7 +73,6 @@ class World:
 def init(
     threads: int | None = None,
     comm: Any = None,
-    allreduce: str = "auto",
     stall_seconds: float = 0.0,
 ) -> World:
     """Join the job (a job of one without a launcher) and give this rank its share of cores.
@@ -123,9 +80,8 @@ def init(
     Under an MPI launcher, or on `comm` (an mpi4py communicator of a program of your own),
     Horovod runs its MPI controller; otherwise Gloo's. Without a thread budget every rank
     would start one thread per core, and N ranks on N cores would fight over N x N threads.
-    `allreduce` (--allreduce) is resolved here, as world.averaging. With `stall_seconds`, a
-    rank silent that long ends the job (runtime/watchdog.py; under --elastic the watch starts
-    in elastic_world).
+    With `stall_seconds`, a rank silent that long ends the job (runtime/watchdog.py; under
+    --elastic the watch starts in elastic_world).
     """
     arrange_ending()
     if stall_seconds:
@@ -149,50 +105,40 @@ def init(
         os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
         os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
         hvd.init()
-    # A job of one exchanges nothing: each collective through Horovod's background thread
-    # would cost a hand-over to it and back, and a fit makes dozens of them.
-    collectives: Collectives = Alone()
-    transport = ""
-    if under_mpi:
-        averaging = resolve_allreduce(allreduce, direct_allreduce_over("mpi"))
-        if hvd.size() > 1:
-            collectives = MpiCollectives(comm.Dup())
-    else:
-        transport = gloo_transport()
-        direct = direct_allreduce_over("gloo") if transport == SHARED_MEMORY else None
-        averaging = resolve_allreduce(allreduce, direct, f"(Gloo over {transport})")
-        if hvd.size() > 1:
-            collectives = SharedMemoryCollectives() if direct else HorovodCollectives()
-    world = _world(threads, hvd.local_size(), collectives, averaging, transport)
+    transport = "" if under_mpi else gloo_transport()
+    world = _world(threads, hvd.local_size(), _collectives(comm, transport), transport)
     if not elastic_launched():
-        watchdog.watch(world.rank, world.size, collectives, stall_seconds, elastic=False)
+        watchdog.watch(world.rank, world.size, world.collectives, stall_seconds, elastic=False)
     return world
 
 
-def _world(
-    threads: int | None,
-    ranks_here: int,
-    collectives: Collectives,
-    averaging: Averaging,
-    transport: str,
-) -> World:
+def _collectives(comm: Any, transport: str) -> Collectives:
+    """The backend of the job's collectives, the one place that chooses it: a job of one
+    exchanges nothing (each collective through Horovod's background thread would cost a
+    hand-over to it and back, and a fit makes dozens); under MPI our own communicator's; under
+    Gloo through shared memory Horovod's with its direct allreduce; else Horovod's."""
+    if hvd.size() == 1:
+        return Alone()
+    if hvd.mpi_enabled():
+        return MpiCollectives(comm.Dup())
+    return SharedMemoryCollectives() if transport == SHARED_MEMORY else HorovodCollectives()
+
+
+def _world(threads: int | None, ranks_here: int, collectives: Collectives, transport: str) -> World:
     """The World, with this rank's share of the machine's cores unless `threads` is fixed."""
     controller = "mpi" if hvd.mpi_enabled() else "gloo"
     threads = threads or default_threads(ranks_here)
     torch.set_num_threads(threads)
     return World(
         hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), threads, collectives,
-        controller, averaging, transport,
+        controller, transport,
     )  # fmt: skip
 
 
-def direct_allreduce_over(controller: str) -> str | None:
-    """Where `controller` has a direct allreduce (one collective from the training thread,
-    --allreduce direct), in words: MPI always; Gloo on our build, when its ranks share memory
-    (known only once the job runs: init decides for sure)."""
-    if controller == "mpi":
-        return "under MPI"
-    return "over Gloo's shared memory" if _has_patch(SHARED_MEMORY_PATCH) else None
+def may_average_directly(controller: str) -> bool:
+    """Whether a job over `controller` can have a direct allreduce (--allreduce direct): MPI
+    always; Gloo on our build, if its ranks share memory (known once the job runs)."""
+    return controller == "mpi" or _has_patch(SHARED_MEMORY_PATCH)
 
 
 def gloo_transport() -> str:
@@ -380,18 +326,18 @@ def elastic_launched() -> bool:
     return os.environ.get("HOROVOD_ELASTIC") == "1"
 
 
-def elastic_world(threads: int | None, stall_seconds: float, averaging: Averaging) -> World:
-    """This rank's place after an elastic (re)start, which may have changed it; it averages
-    as the job did when it began (`averaging`).
+def elastic_world(threads: int | None, stall_seconds: float) -> World:
+    """This rank's place after an elastic (re)start, which may have changed it.
 
     Threads are shared out among the ranks on this machine, counted by its hostname: Horovod
     counts ranks per host *name*, and launch/discover-hosts.sh lists one machine under two.
     A collective, so call it inside the elastic loop only.
     """
     here = socket.gethostname()
-    collectives = HorovodCollectives()
+    transport = gloo_transport()
+    collectives = _collectives(None, transport)
     ranks_here = collectives.gather(here, "machine_names").count(here)
-    world = _world(threads, ranks_here, collectives, averaging, gloo_transport())
+    world = _world(threads, ranks_here, collectives, transport)
     watchdog.watch(world.rank, world.size, collectives, stall_seconds, elastic=True)
     return world
 

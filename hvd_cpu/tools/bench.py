@@ -25,12 +25,7 @@ from typing import Any
 import torch
 
 from hvd_cpu.config.cli_options import command_words
-from hvd_cpu.config.options import (
-    CONTROLLER_NAMES,
-    Averaging,
-    TrainConfig,
-    resolve_allreduce,
-)
+from hvd_cpu.config.options import CONTROLLER_NAMES, TrainConfig
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.cores import default_threads
@@ -118,7 +113,7 @@ def jobs(config: BenchConfig) -> list[list[Setting]]:
         threads = max(1, config.cores // processes)
         for controller in config.controllers:
             ways = [(k, "horovod") for k in config.sync_intervals]
-            if horovod.direct_allreduce_over(controller) and 1 in config.sync_intervals:
+            if horovod.may_average_directly(controller) and 1 in config.sync_intervals:
                 ways.insert(1, (1, "direct"))
             settings = [
                 Setting(processes, threads, batch, k, controller, allreduce)
@@ -135,12 +130,12 @@ def _measure_on_rank(
     """Run on every rank: train each setting (all with the same threads) from the same start.
     Rank 0 returns the measurements and the time of the first step (to measure the launch)."""
     first = settings[0]
-    world = horovod.init(first.threads, allreduce=first.allreduce)
+    world = horovod.init(first.threads)
     prepared = prepare(train_config, world)
     first_step = time.time()
     measurements = []
     for setting in settings:
-        if setting.allreduce == "direct" and not world.collectives.in_calling_thread:
+        if setting.allreduce == "direct" and not world.averages_directly:
             continue  # Gloo fell back to TCP here: there is no direct allreduce to measure
         config = replace(
             train_config,
@@ -148,8 +143,7 @@ def _measure_on_rank(
             sync_every=setting.sync_every,
             allreduce=setting.allreduce,
         )
-        averaged = replace(world, averaging=Averaging(setting.allreduce, "bench"))
-        trainer = build_trainer(config, averaged, prepared, copy.deepcopy(prepared.model))
+        trainer = build_trainer(config, world, prepared, copy.deepcopy(prepared.model))
         trainer.restore(None)
         for _ in range(epochs):
             metrics = trainer.run_epoch(None)
@@ -323,9 +317,11 @@ def command_line(setting: Setting, train_config: TrainConfig, cores: int) -> str
 
 
 def _allreduce_option(setting: Setting) -> str:
-    """--allreduce for `setting`: auto where auto picks the same (or nothing is averaged)."""
-    auto = resolve_allreduce("auto", horovod.direct_allreduce_over(setting.controller))
-    if setting.processes == 1 or setting.sync_every > 1 or setting.allreduce == auto.allreduce:
+    """--allreduce for `setting`: auto where auto picks the same (or nothing is averaged):
+    direct wherever the job had one (training/sync.py's `averaging`), and a direct row is
+    only measured where it had."""
+    auto = "direct" if horovod.may_average_directly(setting.controller) else "horovod"
+    if setting.processes == 1 or setting.sync_every > 1 or setting.allreduce == auto:
         return "auto"
     return setting.allreduce
 

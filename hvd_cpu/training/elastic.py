@@ -15,7 +15,7 @@ from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.output.console import say
 from hvd_cpu.output.model_files import CHECKPOINT
 from hvd_cpu.runtime import horovod
-from hvd_cpu.runtime.horovod import World
+from hvd_cpu.runtime.world import World
 from hvd_cpu.training.job import Job
 from hvd_cpu.training.prepare import checked_output
 
@@ -68,9 +68,7 @@ class ElasticJob:
         may be gone, and another rank is rank 0 now), then rank 0's state."""
         job = self.job
         self.before = job.trainer.world.size
-        self.world = horovod.elastic_world(
-            job.config.threads, job.config.stall_seconds, job.trainer.world.averaging
-        )
+        self.world = horovod.elastic_world(job.config.threads, job.config.stall_seconds)
         job.trainer.resize(self.world)
         job.trainer.sync_from_root()
         shared = job.trainer.world.collectives.broadcast_object(

@@ -17,7 +17,7 @@ from hvd_cpu.output.records import Records
 from hvd_cpu.output.summary import Shape
 from hvd_cpu.runtime import startup
 from hvd_cpu.runtime.cores import usable_cores
-from hvd_cpu.runtime.horovod import World
+from hvd_cpu.runtime.world import World
 from hvd_cpu.training.prepare import Prepared
 from hvd_cpu.training.state import EpochMetrics
 from hvd_cpu.training.trainer import Trainer, rank_report

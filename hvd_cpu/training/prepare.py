@@ -32,7 +32,7 @@ from hvd_cpu.model.losses import Loss, build_loss, check_loss
 from hvd_cpu.model.networks import build_model
 from hvd_cpu.output import lock, tracking
 from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
-from hvd_cpu.runtime.horovod import World
+from hvd_cpu.runtime.world import World
 
 
 @dataclass

@@ -10,14 +10,15 @@ optimizer classes are), chosen once by `choose`. A new strategy is one new subcl
 - `LocalSGD` (--sync-every K > 1): each rank steps on its own batches; the parameters are
   averaged every K steps and at the end of each epoch: K times fewer waits.
 
-Which averaging runs every step was resolved when the rank joined (world.averaging: --allreduce
-auto decided there).
+Which averaging runs every step is decided in one place, `averaging` (--allreduce auto resolved
+from what the World's backend can do), which the trainer and bench both call through `choose`.
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,10 +28,33 @@ from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.errors import InputError
 from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.collectives import Collectives
+from hvd_cpu.runtime.world import World
 
 # Parameter dtypes the direct allreduces cannot sum (numpy and Horovod's Gloo have no bfloat16;
 # MPI no float16 sum).
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Averaging:
+    """How a job averages gradients every step (--allreduce, `auto` resolved: horovod or
+    direct) and why: the summary and ranks.json say both."""
+
+    allreduce: str
+    why: str
+
+
+def averaging(requested: str, world: World) -> Averaging:
+    """What --allreduce means on `world`: `auto` is the fastest exact average measured here
+    (docs/measurements.md), one allreduce per step from the training thread (direct) wherever
+    the backend has one (MPI; Gloo through shared memory), also with more ranks than cores;
+    otherwise Horovod's DistributedOptimizer."""
+    if requested != "auto":
+        return Averaging(requested, f"--allreduce {requested}")
+    if world.averages_directly:
+        over = "under MPI" if world.controller == "mpi" else "over Gloo's shared memory"
+        return Averaging("direct", f"auto: the fastest {over}")
+    return Averaging("horovod", f"auto: no direct allreduce (Gloo over {world.transport})")
 
 
 class GradientSync(ABC):
@@ -38,11 +62,17 @@ class GradientSync(ABC):
 
     # A step is one step of the global batch (batch size x ranks): the lr scales with it.
     global_batch_steps = True
-    # How the run's summary says the ranks stayed in step.
-    described = "gradients averaged by hvd.DistributedOptimizer"
+    # What the run's summary says the ranks did to stay in step; `why` says why (if chosen).
+    what = "gradients averaged by hvd.DistributedOptimizer"
 
-    def __init__(self, optimizer: Any) -> None:
+    def __init__(self, optimizer: Any, why: str = "") -> None:
         self.optimizer = optimizer  # what is stepped, checkpointed and broadcast
+        self.why = why
+
+    @property
+    def described(self) -> str:
+        """How the run's summary says the ranks stayed in step."""
+        return f"{self.what} ({self.why})" if self.why else self.what
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()  # Horovod's wrapper takes no arguments
@@ -59,20 +89,24 @@ class GradientSync(ABC):
 
 
 class HorovodAveraging(GradientSync):
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-        super().__init__(horovod.wrap_optimizer(optimizer, model))
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, why: str = "") -> None:
+        super().__init__(horovod.wrap_optimizer(optimizer, model), why)
 
     def step(self, steps_taken: int) -> float:
         return horovod.averaged_step(self.optimizer)
 
 
 class DirectAveraging(GradientSync):
-    described = "gradients averaged by one allreduce per step"
+    what = "gradients averaged by one allreduce per step"
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, model: nn.Module, collectives: Collectives
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        collectives: Collectives,
+        why: str = "",
     ) -> None:
-        super().__init__(optimizer)
+        super().__init__(optimizer, why)
         params = [p for p in model.parameters() if p.requires_grad]
         self.buffers: list[torch.Tensor] = []  # one per dtype, in the model's order
         for dtype in dict.fromkeys(p.dtype for p in params):
@@ -114,7 +148,7 @@ class LocalSGD(GradientSync):
     ) -> None:
         super().__init__(optimizer)
         self.model, self.collectives, self.every = model, collectives, every
-        self.described = f"parameters averaged every {every} steps"
+        self.what = f"parameters averaged every {every} steps"
 
     def step(self, steps_taken: int) -> float:
         self.optimizer.step()
@@ -141,7 +175,7 @@ def choose(
     config: TrainConfig,
     optimizer: torch.optim.Optimizer,
     model: nn.Module,
-    world: horovod.World,
+    world: World,
 ) -> GradientSync:
     """The strategy the options ask for. A job of one takes Horovod's whatever they say: with
     nobody to wait for, its average is the gradient itself."""
@@ -149,16 +183,13 @@ def choose(
         return HorovodAveraging(optimizer, model)
     if config.sync_every > 1:
         return LocalSGD(optimizer, model, world.collectives, config.sync_every)
-    chosen: GradientSync
-    if world.averaging.allreduce == "direct":
-        if not world.collectives.in_calling_thread:
-            raise InputError(
-                "--allreduce direct needs MPI or Gloo through shared memory, and this job runs "
-                f"Gloo over {world.transport}: launch with horovodrun --mpi, or leave out "
-                "--allreduce direct"
-            )
-        chosen = DirectAveraging(optimizer, model, world.collectives)
-    else:
-        chosen = HorovodAveraging(optimizer, model)
-    chosen.described = f"{chosen.described} ({world.averaging.why})"
-    return chosen
+    chosen = averaging(config.allreduce, world)
+    if chosen.allreduce == "horovod":
+        return HorovodAveraging(optimizer, model, chosen.why)
+    if not world.averages_directly:
+        raise InputError(
+            "--allreduce direct needs MPI or Gloo through shared memory, and this job runs "
+            f"Gloo over {world.transport}: launch with horovodrun --mpi, or leave out "
+            "--allreduce direct"
+        )
+    return DirectAveraging(optimizer, model, world.collectives, chosen.why)

@@ -34,7 +34,7 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
     startup.reached("imported")
     if config.elastic:
         elastic.check_launched()
-    world = horovod.init(config.threads, comm, config.allreduce, config.stall_seconds)
+    world = horovod.init(config.threads, comm, config.stall_seconds)
     startup.reached("joined")
     try:
         prepared = prepare(config, world)  # rank 0 takes the output folder here

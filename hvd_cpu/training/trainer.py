@@ -27,7 +27,7 @@ from hvd_cpu.model.optim import adam
 from hvd_cpu.output.console import Progress
 from hvd_cpu.output.model_files import Checkpoint
 from hvd_cpu.runtime import startup
-from hvd_cpu.runtime.horovod import World
+from hvd_cpu.runtime.world import World
 from hvd_cpu.training import sync
 from hvd_cpu.training.prepare import Prepared
 from hvd_cpu.training.schedule import scaled_lr, scheduled_lr
