@@ -10,10 +10,11 @@ import pytest
 
 from .jobs import REPO
 
-# Bottom first. The floor: one-line errors, whole-file writes, every option. Then the job
-# (runtime), then the data flow: data -> model -> output -> training, and on top the commands.
+# Bottom first. The floor: one-line errors, how a line is printed, whole-file writes, every
+# option. Then the job (runtime), then the data flow: data -> model -> output -> training, and
+# on top the commands.
 ROOMS = [
-    {"errors", "atomic", "config"},
+    {"errors", "lines", "atomic", "config"},
     {"runtime"},
     {"data"},
     {"model"},

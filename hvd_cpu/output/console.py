@@ -1,21 +1,11 @@
-"""What rank 0 prints while a job runs: whole lines (one write each, so launchers that tag
-lines never split one) and the per-epoch progress bar on a terminal."""
+"""The per-epoch progress bar rank 0 shows on a terminal (its lines: hvd_cpu/lines.py)."""
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
 
 from tqdm import tqdm
-
-
-def say(text: str, stream: TextIO | None = None) -> None:
-    """Print `text` as one write of whole lines: with PYTHONUNBUFFERED, print() writes the
-    newline separately, and Open MPI's --tag-output then tags it as a line of its own."""
-    stream = stream or sys.stdout
-    stream.write(text + "\n")
-    stream.flush()
 
 
 class Progress:

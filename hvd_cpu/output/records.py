@@ -12,7 +12,8 @@ from typing import Any
 from hvd_cpu.atomic import atomic_write
 from hvd_cpu.config.files import RECORD, record
 from hvd_cpu.config.options import TrainConfig
-from hvd_cpu.output.console import Progress, say
+from hvd_cpu.lines import say
+from hvd_cpu.output.console import Progress
 from hvd_cpu.output.model_files import MODEL
 from hvd_cpu.output.summary import Shape, summary_table, waiting_advice
 from hvd_cpu.output.tracking import Tracking

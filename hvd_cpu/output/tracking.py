@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.errors import InputError, RunFailed
+from hvd_cpu.lines import say
 from hvd_cpu.training.state import EpochMetrics
 
 EXTRA = "pip install 'hvd-cpu[tracking]'"
@@ -214,8 +215,8 @@ class Tracking:
                 call(tracker)
             except Exception as exc:  # the tracker's own errors, whatever their type
                 self.trackers.remove(tracker)
-                sys.stderr.write(
+                say(
                     f"hvd-cpu: warning: {tracker.option} stopped logging ({reason(exc)}); "
-                    "training goes on without it\n"
+                    "training goes on without it",
+                    sys.stderr,
                 )
-                sys.stderr.flush()

@@ -9,9 +9,10 @@ itself, Gloo through our build's gloo-shared-memory patch (TCP without it).
 In sections: joining and leaving the job (`init` makes this rank's World, runtime/world.py,
 whose `collectives` one factory chooses, `_collectives`: a job of one's; under MPI our own
 communicator's, runtime/mpi.py; Horovod's, under Gloo through shared memory with its direct
-allreduce); launching ranks from Python (`launch`); Horovod's collectives and its DistributedOptimizer (what the default
-gradient synchronisation of training/sync.py wraps); Horovod's elastic mode. Cores and
-threads are in cores.py, how a rank's process ends in lifecycle.py.
+allreduce); launching ranks from Python (`launch`); Horovod's collectives and its
+DistributedOptimizer (what the default gradient synchronisation of training/sync.py wraps);
+Horovod's elastic mode. Cores and threads are in cores.py, how a rank's process ends in
+lifecycle.py.
 """
 
 from __future__ import annotations

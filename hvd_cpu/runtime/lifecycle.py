@@ -14,6 +14,8 @@ import sys
 import threading
 from collections.abc import Callable
 
+from hvd_cpu.lines import say
+
 # Environment variables through which launchers tell a process its rank before init.
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -100,8 +102,7 @@ def exit_quietly_on_signals() -> None:
             exit_now(1)
         if launch_rank() == 0:
             who = "rank 0: " if launch_rank_known() else ""
-            # One write: Open MPI's --tag-output would tag print()'s separate newline alone.
-            sys.stderr.write(f"hvd-cpu: {who}stopped by {signal.Signals(signum).name}\n")
+            say(f"hvd-cpu: {who}stopped by {signal.Signals(signum).name}", sys.stderr)
         exit_now(128 + signum)
 
     threading.Thread(target=exit_on_signal, name="exit-on-signal", daemon=True).start()

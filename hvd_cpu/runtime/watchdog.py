@@ -31,7 +31,6 @@ import select
 import signal
 import socket
 import struct
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import psutil
 
+from hvd_cpu.lines import say
 from hvd_cpu.runtime.collectives import Collectives
 from hvd_cpu.runtime.lifecycle import ending, exit_now, named_elsewhere_if, on_exit
 
@@ -212,7 +212,7 @@ class Watchdog:
             unheard = {p for p in unheard if self._fate(p) != GONE}  # ended: a lost rank
             if unheard:
                 names = ", ".join(self.peers[p].describe(p) for p in sorted(unheard))
-                _say(
+                say(
                     f"hvd-cpu: rank {self.rank}: no heartbeat from {names} reached this rank "
                     f"in {self.bound:g} s (UDP blocked between hosts?); a stalled rank there "
                     "will not be noticed"
@@ -224,7 +224,7 @@ class Watchdog:
                 # A peer whose process has ended is a lost rank, not a stall: its collective
                 # fails (at the latest after Gloo's timeout) and the job ends or goes on.
                 if self._reporter(silence) and self._fate(peer) != GONE:
-                    _say(
+                    say(
                         f"hvd-cpu: rank {self.rank}: {self.peers[peer].describe(peer)} has not "
                         f"answered for {seconds:.1f} s; the job ends if it stays silent for "
                         f"{self.bound:g} s (--stall-seconds)"
@@ -269,7 +269,7 @@ class Watchdog:
             # Not told to end meanwhile (by the launcher ending the job, or by a rank that
             # named the stall): say why the job ends, and tell the others it is said.
             self._send(NAMED)
-            _say(
+            say(
                 f"hvd-cpu: rank {self.rank}: {said}; ending the job{elsewhere} "
                 f"(--stall-seconds {self.bound:g}); run the same command with --resume to go "
                 "on from the last checkpoint"
@@ -317,7 +317,7 @@ class Watchdog:
             self._kill(peer)
         if stopped:
             names = ", ".join(self.peers[p].describe(p) for p in stopped)
-            _say(f"hvd-cpu: rank {self.rank}: {names} {self._why()}; dropped as a lost rank")
+            say(f"hvd-cpu: rank {self.rank}: {names} {self._why()}; dropped as a lost rank")
 
     def _fate(self, rank: int) -> str:
         """What became of a silent peer, as far as this rank can see."""
@@ -339,12 +339,6 @@ class Watchdog:
         """Kill a stalled peer on this kernel (SIGKILL ends a stopped process too)."""
         with contextlib.suppress(psutil.Error):
             psutil.Process(self.peers[rank].pid).send_signal(signal.SIGKILL)
-
-
-def _say(line: str) -> None:
-    # One write: Open MPI's --tag-output would tag a separate newline alone.
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
 
 
 _current: Watchdog | None = None

@@ -12,7 +12,7 @@ from functools import partial
 from typing import Any
 
 from hvd_cpu.errors import InputError, RunFailed
-from hvd_cpu.output.console import say
+from hvd_cpu.lines import say
 from hvd_cpu.output.model_files import CHECKPOINT
 from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.world import World
