@@ -239,7 +239,9 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path: Path) -
         assert [rank for rank, _ in errors] == [0, 0, 0], errors  # two epoch lines, the error
         assert re.fullmatch(
             r"hvd-cpu: error: on rank 0 \(\S+\): could not write to "
-            + re.escape(f"{disk / 'run'}: No space left on device; checkpoint.pt there holds ")
+            + re.escape(
+                f"{disk / 'run'}: No space left on device; {disk / 'run/checkpoint.pt'} holds "
+            )
             + r"epoch 1; free space \(or choose another --output\) and run again with --resume",
             errors[2][1],
         ), errors[2][1]

@@ -13,10 +13,9 @@ from typing import Any
 
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.lines import say
-from hvd_cpu.output.model_files import CHECKPOINT
 from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.world import World
-from hvd_cpu.training.job import Job
+from hvd_cpu.training.job import Job, checkpoint_kept
 from hvd_cpu.training.prepare import checked_output
 
 
@@ -48,9 +47,8 @@ class ElasticJob:
         try:
             horovod.run_elastic(self.state, self._run_once, config.max_restarts)
         except RunFailed as failed:
-            kept = f"{config.output / CHECKPOINT} holds epoch {job.saved_epoch}"
             raise RunFailed(
-                f"{failed}; {kept if job.saved_epoch else 'no checkpoint was written'}: "
+                f"{failed}; {checkpoint_kept(config.output, job.saved_epoch)}: "
                 "find what ends the ranks, then run again with --resume (or raise "
                 "--max-restarts)"
             ) from failed

@@ -133,12 +133,18 @@ def written_by_root(
         except RunFailed as exc:
             failure = str(exc)
         except OSError as exc:
-            kept = f"{CHECKPOINT} there holds epoch {saved}" if saved else "no checkpoint was kept"
             failure = (
-                f"could not write to {output}: {exc.strerror}; {kept}; "
+                f"could not write to {output}: {exc.strerror}; {checkpoint_kept(output, saved)}; "
                 "free space (or choose another --output) and run again with --resume"
             )
     world.collectives.agree_on_error(failure, RunFailed)
+
+
+def checkpoint_kept(output: Path, saved_epoch: int | None) -> str:
+    """What a run that ends early leaves to --resume from, for its one line."""
+    if saved_epoch:
+        return f"{output / CHECKPOINT} holds epoch {saved_epoch}"
+    return "no checkpoint of this run was written"
 
 
 def check_finite(metrics: EpochMetrics, config: TrainConfig, saved_epoch: int | None) -> None:
@@ -147,13 +153,8 @@ def check_finite(metrics: EpochMetrics, config: TrainConfig, saved_epoch: int | 
     losses = [metrics.train_loss, metrics.val_loss]
     if all(loss is None or math.isfinite(loss) for loss in losses):
         return
-    kept = (
-        f"{config.output / CHECKPOINT} holds epoch {saved_epoch}"
-        if saved_epoch
-        else "no checkpoint of this run was written"
-    )
     raise InputError(
         f"training diverged in epoch {metrics.epoch} (train loss {metrics.train_loss:g}); "
-        f"{kept}; lower --lr (now {metrics.lr:g}), add --warmup-epochs, or "
-        "--standardize-target for a target with large values"
+        f"{checkpoint_kept(config.output, saved_epoch)}; lower --lr (now {metrics.lr:g}), add "
+        "--warmup-epochs, or --standardize-target for a target with large values"
     )
