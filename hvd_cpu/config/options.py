@@ -4,6 +4,7 @@ a TrainConfig field that also declares its command-line option (cli_options.py m
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -29,9 +30,17 @@ CONTROLLER_NAMES = {"mpi": "MPI", "gloo": "Gloo"}
 # --loss by name (losses.py builds them); anything with a ":" is the user's MODULE:FN.
 LOSS_NAMES = ("mse", "l1", "huber")
 
+
+class Task(StrEnum):
+    """What the model predicts: numbers (MSE by default) or classes (cross-entropy)."""
+
+    REGRESSION = "regression"
+    CLASSIFICATION = "classification"
+
+
 # The options with a fixed set of values (the command line's choices; fit() passes anything).
 CHOICES = {
-    "task": ("regression", "classification"),
+    "task": tuple(map(str, Task)),
     "activation": ("none", "relu", "gelu"),
     "allreduce": ("auto", "horovod", "direct"),
     "format": (None, *FORMATS),
@@ -111,8 +120,8 @@ class TrainConfig:
     drop: tuple[str, ...] = option(
         (), help="Columns to leave out (an id, a leak).", type=NAMES, metavar="COL,..."
     )
-    task: Literal["regression", "classification"] = option(
-        "regression",
+    task: str = option(
+        Task.REGRESSION.value,
         help="regression: MSE loss; classification: cross-entropy, accuracy reported.",
         type=click.Choice(CHOICES["task"]),
     )
@@ -363,7 +372,7 @@ class TrainConfig:
                 f"--loss {self.loss!r} is not one of {', '.join(LOSS_NAMES)} or MODULE:FN "
                 "(your own)"
             )
-        if self.task == "classification":
+        if self.task == Task.CLASSIFICATION:
             raise InputError(
                 f"--loss {self.loss} is a regression loss; classification trains with "
                 "cross-entropy (leave out --loss) or your own MODULE:FN"

@@ -12,21 +12,33 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import pandas as pd
 from pandas.api import types
 
+from hvd_cpu.config.options import Task
 from hvd_cpu.data.columns import check_unique_columns, row_batches
 from hvd_cpu.errors import InputError
 
 if TYPE_CHECKING:  # the interface only: fitting needs no torch
     from hvd_cpu.runtime.collectives import Collectives
 
-Task = Literal["regression", "classification"]
-Kind = Literal["numeric", "bool", "datetime", "timedelta", "category", "empty"]
+
+class Kind(StrEnum):
+    """How an input column becomes numbers (features.json keeps the value)."""
+
+    NUMERIC = "numeric"
+    BOOL = "bool"
+    DATETIME = "datetime"
+    TIMEDELTA = "timedelta"
+    CATEGORY = "category"
+    EMPTY = "empty"  # no value on any rank: a column of NaN, filled like a number
+
+
 MISSING_LEVEL = "<missing>"
 DATETIME_PARTS = ("year", "month", "day", "day_of_week", "hour")
 NUMBERS = ("integer", "floating", "mixed-integer-float", "decimal", "empty")
@@ -74,12 +86,12 @@ class InputColumn:
 
     def expand(self, series: pd.Series) -> Iterator[tuple[str, np.ndarray]]:
         """(output name, float64 values with NaN where missing) for each derived column."""
-        if self.kind in ("numeric", "bool", "empty"):
+        if self.kind in (Kind.NUMERIC, Kind.BOOL, Kind.EMPTY):
             yield self.name, _floats(_numbers(series, self.name))
-        elif self.kind == "timedelta":
+        elif self.kind == Kind.TIMEDELTA:
             seconds = _parsed(pd.to_timedelta, series, self.name, "durations")
             yield self.name, _floats(seconds / pd.Timedelta(seconds=1))
-        elif self.kind == "datetime":
+        elif self.kind == Kind.DATETIME:
             stamps = _parsed(partial(pd.to_datetime, utc=True), series, self.name, "timestamps")
             # In the column's own unit: a date before 1677 has no nanosecond timestamp.
             epoch = pd.Timestamp(0, tz="UTC").as_unit(stamps.dt.unit)
@@ -145,7 +157,7 @@ class FeatureTransform:
 
     @property
     def n_outputs(self) -> int:
-        return len(self.classes) if self.task == "classification" else len(self.targets)
+        return len(self.classes) if self.task == Task.CLASSIFICATION else len(self.targets)
 
     def features(self, frame: pd.DataFrame, out: np.ndarray | None = None) -> np.ndarray:
         """The float32 feature matrix, filled and scaled, written column by column (into
@@ -168,7 +180,7 @@ class FeatureTransform:
         """Targets as the loss wants them: scaled float32 columns or int64 class indices
         (written into `out`, rows of a bigger array, if given)."""
         out = np.empty(self._target_shape(len(frame)), self._target_type) if out is None else out
-        if self.task == "classification":
+        if self.task == Task.CLASSIFICATION:
             out[:] = pd.Categorical(frame[self.targets[0]], categories=list(self.classes)).codes
             return out
         y = frame[list(self.targets)].to_numpy(np.float64, na_value=np.nan, copy=True)
@@ -179,14 +191,14 @@ class FeatureTransform:
 
     @property
     def _target_type(self) -> type:
-        return np.int64 if self.task == "classification" else np.float32
+        return np.int64 if self.task == Task.CLASSIFICATION else np.float32
 
     def _target_shape(self, rows: int) -> tuple[int, ...]:
-        return (rows,) if self.task == "classification" else (rows, len(self.targets))
+        return (rows,) if self.task == Task.CLASSIFICATION else (rows, len(self.targets))
 
     def valid_rows(self, frame: pd.DataFrame) -> np.ndarray:
         """Rows whose targets can be trained on: present, and finite for regression."""
-        if self.task == "classification":
+        if self.task == Task.CLASSIFICATION:
             return frame[self.targets[0]].notna().to_numpy()
         y = frame[list(self.targets)].to_numpy(np.float64, na_value=np.nan)
         return np.isfinite(y).all(axis=1)
@@ -216,7 +228,9 @@ class FeatureTransform:
         return Arrays(x, y, tuple(c.name for c in self.outputs))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain values (kinds as their text), for features.json and checkpoints, which load
+        only plain types."""
+        return asdict(self, dict_factory=_plain)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FeatureTransform:
@@ -224,7 +238,7 @@ class FeatureTransform:
             task=data["task"],
             targets=tuple(data["targets"]),
             inputs=tuple(
-                InputColumn(c["name"], c["kind"], tuple(c["levels"])) for c in data["inputs"]
+                InputColumn(c["name"], Kind(c["kind"]), tuple(c["levels"])) for c in data["inputs"]
             ),
             outputs=tuple(OutputColumn(**c) for c in data["outputs"]),
             classes=tuple(data["classes"]),
@@ -254,7 +268,7 @@ def fit(
     report = FitReport(rows=int(rows), dropped_rows=int(dropped))
     classes: tuple[Any, ...] = ()
     target_scale: tuple[OutputColumn, ...] = ()
-    if task == "classification":
+    if task == Task.CLASSIFICATION:
         classes = _classes(frame, selection.targets[0], collectives)
     else:
         scale = _target_scale(frame, selection.targets, collectives)
@@ -296,7 +310,7 @@ def _target_scale(
 ) -> tuple[OutputColumn, ...]:
     """Each regression target's mean and std over all ranks (the scale --standardize-target
     applies); a target that is empty or constant is refused, standardized or not."""
-    stats = _statistics(frame, [InputColumn(t, "numeric") for t in targets], collectives)
+    stats = _statistics(frame, [InputColumn(t, Kind.NUMERIC) for t in targets], collectives)
     for name, column in stats.items():
         if column.count == 0:
             raise InputError(
@@ -383,7 +397,7 @@ def _check_targets(
 ) -> None:
     """Numbers for regression, labels for classification; decided from the values of every
     rank, since one rank's rows may look right by chance."""
-    if task == "classification":
+    if task == Task.CLASSIFICATION:
         if len(targets) != 1:
             raise InputError("classification takes exactly one --target column")
         name = targets[0]
@@ -417,36 +431,40 @@ def _infer(series: pd.Series) -> str:
     return types.infer_dtype(series, skipna=True)
 
 
+def _plain(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {name: str(v) if isinstance(v, StrEnum) else v for name, v in pairs}
+
+
 def _local_kind(series: pd.Series) -> str:
     """The kind this rank's values suggest: 'empty' when it holds no values at all, and
     'unsupported (TYPE)' for what cannot be turned into numbers, so that every rank can see
     every rank's verdict before any of them gives up."""
     dtype = series.dtype
     if types.is_bool_dtype(dtype):
-        return "bool"
+        return Kind.BOOL
     if types.is_datetime64_any_dtype(dtype):
-        return "datetime"
+        return Kind.DATETIME
     if types.is_timedelta64_dtype(dtype):
-        return "timedelta"
+        return Kind.TIMEDELTA
     if isinstance(dtype, pd.CategoricalDtype):
-        return "category"
+        return Kind.CATEGORY
     if types.is_numeric_dtype(dtype) and not types.is_complex_dtype(dtype):
-        return "empty" if series.isna().all() else "numeric"
+        return Kind.EMPTY if series.isna().all() else Kind.NUMERIC
     inferred = _infer(series)
     kinds: dict[str, Kind] = {
-        "empty": "empty",
-        "boolean": "bool",
-        "integer": "numeric",
-        "floating": "numeric",
-        "mixed-integer-float": "numeric",
-        "decimal": "numeric",
-        "datetime64": "datetime",
-        "datetime": "datetime",
-        "date": "datetime",
-        "timedelta64": "timedelta",
-        "timedelta": "timedelta",
-        "string": "category",
-        "categorical": "category",
+        "empty": Kind.EMPTY,
+        "boolean": Kind.BOOL,
+        "integer": Kind.NUMERIC,
+        "floating": Kind.NUMERIC,
+        "mixed-integer-float": Kind.NUMERIC,
+        "decimal": Kind.NUMERIC,
+        "datetime64": Kind.DATETIME,
+        "datetime": Kind.DATETIME,
+        "date": Kind.DATETIME,
+        "timedelta64": Kind.TIMEDELTA,
+        "timedelta": Kind.TIMEDELTA,
+        "string": Kind.CATEGORY,
+        "categorical": Kind.CATEGORY,
     }
     return kinds.get(inferred, f"unsupported ({inferred})")
 
@@ -455,7 +473,9 @@ def _input_column(
     frame: pd.DataFrame, name: str, max_categories: int, collectives: Collectives
 ) -> InputColumn:
     """Agree with the other ranks on the column's kind (and levels), then describe it."""
-    kinds = {k for k in collectives.gather(_local_kind(frame[name]), "statistics") if k != "empty"}
+    kinds = {
+        k for k in collectives.gather(_local_kind(frame[name]), "statistics") if k != Kind.EMPTY
+    }
     unsupported = sorted(k for k in kinds if k.startswith("unsupported"))
     if unsupported:
         raise InputError(
@@ -467,8 +487,8 @@ def _input_column(
             f"column {name!r} holds different types in different parts of the data "
             f"({', '.join(sorted(kinds))}); give it one type"
         )
-    kind = kinds.pop() if kinds else "empty"
-    if kind != "category":
+    kind = Kind(kinds.pop()) if kinds else Kind.EMPTY
+    if kind != Kind.CATEGORY:
         return InputColumn(name, kind)
     labels = _labels(frame[name])
     levels = _union(collectives, labels.dropna().unique().tolist())
@@ -484,7 +504,7 @@ def _input_column(
 
 def _to_fill(series: pd.Series, column: InputColumn) -> int:
     """Values the fit stands in for: missing ones, and infinite numbers, filled alike."""
-    if column.kind == "numeric":
+    if column.kind == Kind.NUMERIC:
         _, values = next(column.expand(series))
         return int(np.isnan(values).sum())
     return int(series.isna().sum())

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hvd_cpu.config.options import LOSS_NAMES
+from hvd_cpu.config.options import LOSS_NAMES, Task
 from hvd_cpu.config.values import is_spec
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.user_code import import_object
@@ -27,7 +27,7 @@ def build_loss(loss: str | None, task: str) -> Loss:
     """The loss to train and validate with: the named or the user's, else MSE for regression
     and cross-entropy for classification."""
     if loss is None:
-        return nn.CrossEntropyLoss() if task == "classification" else nn.MSELoss()
+        return nn.CrossEntropyLoss() if task == Task.CLASSIFICATION else nn.MSELoss()
     if not is_spec(loss):
         return REGRESSION_LOSSES[loss]()
     found = import_object(loss, "--loss")

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hvd_cpu.config.formats import check_encoding
+from hvd_cpu.config.options import Task
 from hvd_cpu.data.agreement import check_same_data
 from hvd_cpu.data.columns import check_unique_columns
 from hvd_cpu.data.features import FeatureTransform
@@ -91,7 +92,7 @@ def load_model(path: Path) -> tuple[nn.Module, FeatureTransform]:
 
 def output_names(transform: FeatureTransform) -> list[str]:
     """The columns predict writes besides --id."""
-    if transform.task == "classification":
+    if transform.task == Task.CLASSIFICATION:
         return ["prediction", *(f"probability_{label}" for label in transform.classes)]
     if len(transform.targets) == 1:
         return ["prediction"]
@@ -137,7 +138,7 @@ def predictions(
     result: dict[str, Any] = {}
     if id_column is not None:
         result[id_column] = frame[id_column].to_numpy()
-    if transform.task == "classification":
+    if transform.task == Task.CLASSIFICATION:
         probabilities = torch.softmax(out, dim=1).numpy()
         result[names[0]] = [transform.classes[i] for i in probabilities.argmax(axis=1)]
         result.update({name: probabilities[:, i] for i, name in enumerate(names[1:])})

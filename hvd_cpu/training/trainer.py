@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvd_cpu.config.options import TrainConfig
+from hvd_cpu.config.options import Task, TrainConfig
 from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.data.loader import ShardedBatches, ShardSampler
 from hvd_cpu.model.losses import Loss
@@ -53,7 +53,7 @@ class Trainer:
         self.optimizer = self.sync.optimizer
         self.batches = batches
         self.validation = validation
-        self.classification = config.task == "classification"
+        self.classification = config.task == Task.CLASSIFICATION
         self.loss_fn = loss_fn
         self.state = LoopState()
         self._join(world)
