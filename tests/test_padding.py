@@ -13,8 +13,7 @@ def epoch_shards(rows: int, size: int, shuffle: bool, skip: int = 0) -> list[lis
     shards = []
     for rank in range(size):
         one = ShardSampler(rows, rank, size, shuffle, seed=7)
-        one.set_epoch(1)
-        one.skip = skip
+        one.set_epoch(1, skip)
         shards.append(list(one))
     return shards
 
@@ -62,8 +61,7 @@ def test_the_rest_of_an_epoch_is_padded_from_its_own_rows() -> None:
     rest = []
     for rank in range(4):
         sampler = ShardSampler(20, rank, 4, shuffle=True, seed=2)
-        sampler.set_epoch(3)
-        sampler.skip = 18
+        sampler.set_epoch(3, 18)
         assert len(sampler) == 1
         rest += list(sampler)
     assert rest == [order[18], order[19], order[18], order[19]]
@@ -74,7 +72,6 @@ def test_an_epoch_already_trained_to_its_end_leaves_every_rank_nothing(skip: int
     """The rows trained count padded batches too, so they can pass the epoch's rows."""
     for rank in range(3):
         sampler = ShardSampler(20, rank, 3, shuffle=True, seed=0)
-        sampler.set_epoch(1)
-        sampler.skip = skip
+        sampler.set_epoch(1, skip)
         assert len(sampler) == 0
         assert list(sampler) == []

@@ -16,21 +16,23 @@ from hvd_cpu.errors import InputError
 from hvd_cpu.output.model_files import CHECKPOINT
 from hvd_cpu.runtime.collectives import Alone
 from hvd_cpu.runtime.world import World
-from hvd_cpu.training.prepare import check_output, prepare
+from hvd_cpu.training.elastic import Elastic
+from hvd_cpu.training.membership import Fixed
+from hvd_cpu.training.prepare import open_output, prepare
 
 ONE = World(0, 1, 0, 1, 1, Alone())
 
 
 def test_the_demo_is_split_encoded_and_met_by_a_model_of_its_shape(tmp_path: Path) -> None:
     config = TrainConfig(output=tmp_path, val_fraction=0.25, hidden=(8, 4))
-    prepared = prepare(config, ONE)
+    prepared = prepare(config, ONE, Fixed())
     assert prepared.arrays.x.shape == (DEMO_ROWS, DEMO_FEATURES)
     train, val = set(prepared.train_rows.tolist()), set(prepared.val_rows.tolist())
     assert not train & val and train | val == set(range(DEMO_ROWS))
     assert len(val) == DEMO_ROWS // 4 and prepared.train_length == DEMO_ROWS - len(val)
     out = prepared.model(torch.from_numpy(prepared.arrays.x[:3]))
     assert out.shape == (3, 1) and prepared.resumed is None
-    again = prepare(replace(config, overwrite=True), ONE)  # the seed fixes all of it
+    again = prepare(replace(config, overwrite=True), ONE, Fixed())  # the seed fixes all of it
     assert torch.equal(again.val_rows, prepared.val_rows)
 
 
@@ -38,8 +40,8 @@ def test_under_elastic_every_rank_prepares_alone_and_holds_every_held_out_row(
     tmp_path: Path,
 ) -> None:
     config = TrainConfig(output=tmp_path, elastic=True)
-    one = prepare(config, ONE)
-    third_of_three = prepare(config, replace(ONE, rank=2, size=3))
+    one = prepare(config, ONE, Elastic())
+    third_of_three = prepare(config, replace(ONE, rank=2, size=3), Elastic())
     assert torch.equal(third_of_three.val_rows, one.val_rows)
     assert torch.equal(third_of_three.train_rows, one.train_rows)
 
@@ -52,12 +54,12 @@ def test_an_earlier_checkpoint_is_neither_overwritten_nor_resumed_with_other_opt
     train(TrainConfig(output=tmp_path, epochs=1, quiet=True))
     assert (tmp_path / CHECKPOINT).is_file()
     with pytest.raises(InputError, match="holds a checkpoint from an earlier run; pass --resume"):
-        check_output(TrainConfig(output=tmp_path), ONE)
+        open_output(TrainConfig(output=tmp_path), ONE)
     with pytest.raises(InputError, match=r"trained with hidden=\[32\]; resume with the same"):
-        check_output(TrainConfig(output=tmp_path, resume=True, hidden=(16,)), ONE)
-    resumed = check_output(TrainConfig(output=tmp_path, resume=True), ONE)
+        open_output(TrainConfig(output=tmp_path, resume=True, hidden=(16,)), ONE)
+    resumed = open_output(TrainConfig(output=tmp_path, resume=True), ONE)
     assert resumed is not None and resumed.loop["epoch"] == 1
-    assert check_output(TrainConfig(output=tmp_path), replace(ONE, rank=1)) is None  # rank 0's
+    assert open_output(TrainConfig(output=tmp_path), replace(ONE, rank=1)) is None  # rank 0's
 
 
 def test_an_output_that_cannot_be_made_leaves_no_folder_behind(tmp_path: Path) -> None:
@@ -65,8 +67,8 @@ def test_an_output_that_cannot_be_made_leaves_no_folder_behind(tmp_path: Path) -
     (tmp_path / "a-file").write_text("not a folder")
     under_a_file = TrainConfig(output=tmp_path / "a-file" / "run")
     with pytest.raises(InputError, match=r"cannot write to output folder .*; choose another"):
-        check_output(under_a_file, ONE)
+        open_output(under_a_file, ONE)
     too_long = TrainConfig(output=tmp_path / "new" / "deeper" / ("x" * 300))
     with pytest.raises(InputError, match="File name too long; choose another --output"):
-        check_output(too_long, ONE)
+        open_output(too_long, ONE)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

@@ -36,56 +36,69 @@ def padded(order: torch.Tensor, length: int) -> torch.Tensor:
 
 
 class ShardSampler(DistributedSampler):
-    """This rank's positions in the rows of each epoch, reshuffled by `set_epoch`.
+    """This rank's positions in the rows every rank holds, reshuffled by `set_epoch`.
 
     `order` gives them as one tensor, what the batches are cut from: iterated, 13.5 M rows are
     a list of Python ints of 0.5 GB, as an int32 tensor 54 MB. Every rank takes the same number
     of positions (some rows twice), so no rank waits for steps another does not take.
 
-    - Every rank holds all rows (default): the shards are DistributedSampler's, disjoint and
-      reshuffled across ranks each epoch (seed + epoch).
-    - --elastic: rank r takes every size-th row of the epoch's order, so after k steps of b rows
-      the ranks together have trained exactly its first k x b x size rows. `skip` says how
-      many; the rest are shared out among however many ranks there are now (`reshard`), so
-      within an epoch no row is dropped or trained twice. With skip 0 the shards are
-      DistributedSampler's.
-    - --shard-read (`length` given): `rows` are this rank's own; it shuffles within them (seed
-      + 1_000_003 x epoch + rank) and repeats some to reach `length`, the longest shard.
+    Rank r takes every size-th row of the epoch's order (seed + epoch), so after k steps of b
+    rows the ranks together have trained exactly its first k x b x size rows. An epoch that
+    goes on with other ranks (--elastic: `reshard`) is told how many (`set_epoch`'s
+    `trained`), and the rest are shared out among the ranks there are now: within an epoch no
+    row is dropped or trained twice. From the epoch's start the shards are
+    DistributedSampler's, disjoint and reshuffled across ranks each epoch.
     """
 
-    def __init__(
-        self, rows: int, rank: int, size: int, shuffle: bool, seed: int, length: int | None = None
-    ) -> None:
+    def __init__(self, rows: int, rank: int, size: int, shuffle: bool, seed: int) -> None:
         super().__init__(range(rows), num_replicas=size, rank=rank, shuffle=shuffle, seed=seed)
-        self.length = length
-        self.skip = 0
+        self.trained = 0
+
+    def set_epoch(self, epoch: int, trained: int = 0) -> None:
+        """Epoch `epoch`'s order, of which the ranks have trained the first `trained` rows."""
+        super().set_epoch(epoch)
+        self.trained = trained
 
     def reshard(self, rank: int, size: int) -> None:
-        """--elastic: go on as `rank` of `size`, from `skip` on."""
+        """Go on as `rank` of `size` (--elastic)."""
         self.rank, self.num_replicas = rank, size
 
     def __len__(self) -> int:
-        if self.length is not None:
-            return self.length
-        return -(-max(len(self.dataset) - self.skip, 0) // self.num_replicas)
+        return -(-max(len(self.dataset) - self.trained, 0) // self.num_replicas)
 
     def order(self) -> torch.Tensor:
-        if self.length is not None:
-            own = self._permutation(self.seed + 1_000_003 * self.epoch + self.rank)
-            return padded(own, self.length)
-        rest = self._permutation(self.seed + self.epoch)[self.skip :]
+        rest = permutation(len(self.dataset), self.shuffle, self.seed + self.epoch)[self.trained :]
         return padded(rest, len(self) * self.num_replicas)[self.rank :: self.num_replicas]
-
-    def _permutation(self, seed: int) -> torch.Tensor:
-        """All positions, shuffled by `seed` (as DistributedSampler shuffles) or in order."""
-        rows = len(self.dataset)
-        if not self.shuffle:
-            return torch.arange(rows, dtype=index_type(rows))
-        generator = torch.Generator().manual_seed(seed)
-        return torch.randperm(rows, generator=generator, dtype=index_type(rows))
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.order().tolist())
+
+
+class OwnRowsSampler(ShardSampler):
+    """--shard-read: the rows are this rank's own. It shuffles within them (seed + 1_000_003 x
+    epoch + rank) and repeats some to reach `length`, the longest rank's, so that every rank
+    takes the same number of steps."""
+
+    def __init__(
+        self, rows: int, rank: int, size: int, shuffle: bool, seed: int, length: int
+    ) -> None:
+        super().__init__(rows, rank, size, shuffle, seed)
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def order(self) -> torch.Tensor:
+        seed = self.seed + 1_000_003 * self.epoch + self.rank
+        return padded(permutation(len(self.dataset), self.shuffle, seed), self.length)
+
+
+def permutation(rows: int, shuffle: bool, seed: int) -> torch.Tensor:
+    """All positions, shuffled by `seed` (as DistributedSampler shuffles) or in order."""
+    if not shuffle:
+        return torch.arange(rows, dtype=index_type(rows))
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(rows, generator=generator, dtype=index_type(rows))
 
 
 class ShardedBatches:
@@ -104,9 +117,10 @@ class ShardedBatches:
         self.batch_size = batch_size
         self.sampler = sampler
 
-    def set_epoch(self, epoch: int) -> None:
-        """Reshuffle: every rank passes the same epoch, so global shards stay disjoint."""
-        self.sampler.set_epoch(epoch)
+    def set_epoch(self, epoch: int, trained: int = 0) -> None:
+        """Reshuffle: every rank passes the same epoch, so global shards stay disjoint; of it
+        the ranks have trained `trained` rows (an epoch going on with other ranks)."""
+        self.sampler.set_epoch(epoch, trained)
 
     def indices(self) -> torch.Tensor:
         """The row numbers of this rank's shard for the current epoch, in batch order."""

@@ -29,6 +29,7 @@ from hvd_cpu.config.options import CONTROLLER_NAMES, TrainConfig
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.cores import default_threads
+from hvd_cpu.training.membership import Fixed
 from hvd_cpu.training.prepare import prepare
 from hvd_cpu.training.trainer import build_trainer
 
@@ -131,7 +132,7 @@ def _measure_on_rank(
     Rank 0 returns the measurements and the time of the first step (to measure the launch)."""
     first = settings[0]
     world = horovod.init(first.threads)
-    prepared = prepare(train_config, world)
+    prepared = prepare(train_config, world, Fixed())
     first_step = time.time()
     measurements = []
     for setting in settings:

@@ -1,8 +1,8 @@
-"""--elastic, in one place on the training side: the job runs inside Horovod's elastic loop
-(runtime/horovod.py), again each time ranks come or go, from the state all ranks just took
-from rank 0. What the loop keeps (`capture`), puts back (`apply`) and shares (`sync`) is here,
-beside the two things elastic changes elsewhere: each rank prepares alone
-(training/prepare.py) and the sampler goes on mid-epoch (data/loader.py, ShardSampler.skip).
+"""--elastic, in one place on the training side: its membership (`Elastic`: each rank prepares
+alone, and the job runs inside Horovod's elastic loop, runtime/horovod.py, again each time
+ranks come or go, from the state all ranks just took from rank 0). What the loop keeps
+(`capture`), puts back (`apply`) and shares (`sync`) is here; the sampler goes on mid-epoch
+from the rows the ranks trained (data/loader.py, ShardSampler.set_epoch).
 """
 
 from __future__ import annotations
@@ -11,21 +11,45 @@ import sys
 from functools import partial
 from typing import Any
 
+from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.lines import say
+from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
 from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.world import World
 from hvd_cpu.training.job import Job, checkpoint_kept
-from hvd_cpu.training.prepare import checked_output
+from hvd_cpu.training.membership import Membership, Start
+from hvd_cpu.training.prepare import open_output_together
 
 
-def check_launched() -> None:
-    """--elastic needs horovodrun's elastic mode to have started this process."""
-    if not horovod.elastic_launched():
-        raise InputError(
-            "--elastic needs horovodrun's elastic mode: start it with launch/elastic.sh (or "
-            "horovodrun --gloo --min-np N --host-discovery-script FILE), or leave out --elastic"
-        )
+class Elastic(Membership):
+    """Ranks that go and come: each prepares alone, as a job of one on all the rows (the same
+    statistics, since every rank reads the same file), because a rank that joins later must
+    not wait in a collective the others have long passed. The output is checked, and the
+    checkpoint resumed, once the ranks are together (ElasticJob)."""
+
+    @classmethod
+    def launched(cls) -> Elastic:
+        """The membership of this process, which horovodrun's elastic mode must have started."""
+        if not horovod.elastic_launched():
+            raise InputError(
+                "--elastic needs horovodrun's elastic mode: start it with launch/elastic.sh (or "
+                "horovodrun --gloo --min-np N --host-discovery-script FILE), or leave out "
+                "--elastic"
+            )
+        return cls()
+
+    def start(self, config: TrainConfig, world: World) -> Start:
+        # --resume: the checkpoint's fitted features, read by each rank itself (so the
+        # checkpoint must be readable on every host: a shared --output).
+        fitted = Checkpoint.load(config.output / CHECKPOINT).features if config.resume else None
+        return Start(world.alone(), None, fitted)
+
+    def has_validation(self, held_out: int, world: World) -> bool:
+        return held_out > 0  # every rank holds all held-out rows: no collective before the loop
+
+    def run(self, job: Job, world: World, resumed: Checkpoint | None) -> None:
+        ElasticJob(job).run()
 
 
 class ElasticJob:
@@ -78,7 +102,7 @@ class ElasticJob:
         """One pass of the elastic loop, on the ranks `sync` just found."""
         job, state, world, before = self.job, self.state, self.world, self.before
         if not job.started:
-            job.start(world, checked_output(job.config, world))
+            job.start(world, open_output_together(job.config, world, lock=False))
             state.commit()
         else:
             job.write_root(world, partial(self._going_on, world, before))

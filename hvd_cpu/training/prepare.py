@@ -9,7 +9,7 @@ rank 0 reports it once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,9 +30,13 @@ from hvd_cpu.data.parquet import Pieces
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.losses import Loss, build_loss, check_loss
 from hvd_cpu.model.networks import build_model
-from hvd_cpu.output import lock, tracking
+from hvd_cpu.output import lock as output_lock
+from hvd_cpu.output import tracking
 from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
 from hvd_cpu.runtime.world import World
+
+if TYPE_CHECKING:  # a membership calls back into this module
+    from hvd_cpu.training.membership import Membership
 
 
 @dataclass
@@ -47,11 +51,13 @@ class Prepared:
     model: nn.Module
     loss_fn: Loss
     resumed: Checkpoint | None  # rank 0: the checkpoint to continue from
+    has_validation: bool  # some rank holds out rows
 
 
-def check_output(config: TrainConfig, world: World) -> Checkpoint | None:
-    """Rank 0: refuse to overwrite an earlier run's checkpoint, or load it for --resume; and
-    check that the tracking asked for can log (only rank 0 logs)."""
+def open_output(config: TrainConfig, world: World, lock: bool = True) -> Checkpoint | None:
+    """Rank 0: refuse to overwrite an earlier run's checkpoint, or load it for --resume; check
+    that the tracking asked for can log (only rank 0 logs); with `lock`, hold the folder for
+    this process's run (not under --elastic, whose rank 0 may move to another process)."""
     if not world.is_root:
         return None
     tracking.check(config)
@@ -62,8 +68,8 @@ def check_output(config: TrainConfig, world: World) -> Checkpoint | None:
             f"cannot write to output folder {config.output}: {exc.strerror}; "
             "choose another --output"
         ) from exc
-    if not config.elastic:  # an elastic job's rank 0 may move to another process
-        lock.hold(config.output)
+    if lock:
+        output_lock.hold(config.output)
     path = config.output / CHECKPOINT
     if config.resume:
         state = Checkpoint.load(path)
@@ -85,15 +91,9 @@ def check_output(config: TrainConfig, world: World) -> Checkpoint | None:
     return None
 
 
-def load_features(config: TrainConfig) -> dict[str, Any]:
-    """--elastic --resume: the checkpoint's fitted features, read by each rank itself (so the
-    checkpoint must be readable on every host: a shared --output)."""
-    return Checkpoint.load(config.output / CHECKPOINT).features
-
-
-def checked_output(config: TrainConfig, world: World) -> Checkpoint | None:
-    """check_output, agreed by every rank (under --elastic, once the ranks are together)."""
-    return world.collectives.agreed(lambda: check_output(config, world))
+def open_output_together(config: TrainConfig, world: World, lock: bool) -> Checkpoint | None:
+    """open_output, agreed by every rank (under --elastic, once the ranks are together)."""
+    return world.collectives.agreed(lambda: open_output(config, world, lock))
 
 
 def read_rows(config: TrainConfig, world: World) -> tuple[Pieces | InMemory, int, int | None]:
@@ -160,22 +160,11 @@ def split(rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Te
     return torch.from_numpy(train), torch.from_numpy(val)
 
 
-def prepare(config: TrainConfig, world: World) -> Prepared:
+def prepare(config: TrainConfig, world: World, membership: Membership) -> Prepared:
     """Check the output, read, fit, encode, split and build on every rank, agreeing on bad
-    input after each step.
-
-    Under --elastic each rank prepares alone, as a job of one on all the rows (the same
-    statistics, since every rank reads the same file): a rank that joins later must not
-    wait in a collective the others have long passed. Its output check and resumed state
-    come later, from `checked_output` inside the elastic loop.
-    """
-    if config.elastic:
-        world = world.alone()
-        resumed = None
-        fitted = load_features(config) if config.resume else None
-    else:
-        resumed = checked_output(config, world)
-        fitted = world.collectives.broadcast_object(resumed.features if resumed else None, "fitted")
+    input after each step; what to prepare from, and on which ranks, is the membership's
+    (under --elastic each rank prepares alone: training/elastic.py)."""
+    world, resumed, fitted = membership.start(config, world)
     transform, arrays = encode(config, world, fitted)
 
     if config.shard_read:  # each rank holds its own rows: hold out some of them
@@ -208,4 +197,8 @@ def prepare(config: TrainConfig, world: World) -> Prepared:
         return model, loss_fn
 
     model, loss_fn = world.collectives.agreed(build)
-    return Prepared(transform, arrays, train_rows, val_rows, max(lengths), model, loss_fn, resumed)
+    has_validation = membership.has_validation(len(val_rows), world)
+    return Prepared(
+        transform, arrays, train_rows, val_rows, max(lengths), model, loss_fn, resumed,
+        has_validation,
+    )  # fmt: skip

@@ -13,8 +13,9 @@ from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.output import lock
 from hvd_cpu.runtime import horovod, startup, watchdog
-from hvd_cpu.training import elastic
+from hvd_cpu.training.elastic import Elastic
 from hvd_cpu.training.job import Job
+from hvd_cpu.training.membership import Fixed
 from hvd_cpu.training.prepare import prepare
 from hvd_cpu.training.trainer import build_trainer
 
@@ -32,21 +33,16 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
     """Train as configured; call on every rank of the job (a plain process is a job of one,
     the processes of `comm`, an mpi4py communicator, are one job over MPI)."""
     startup.reached("imported")
-    if config.elastic:
-        elastic.check_launched()
+    membership = Elastic.launched() if config.elastic else Fixed()
     world = horovod.init(config.threads, comm, config.stall_seconds)
     startup.reached("joined")
     try:
-        prepared = prepare(config, world)  # rank 0 takes the output folder here
+        prepared = prepare(config, world, membership)  # rank 0 takes the output folder here
         trainer = build_trainer(config, world, prepared, prepared.model)
         startup.reached("prepared")
         job = Job(config, prepared, trainer)
         try:
-            if config.elastic:
-                elastic.ElasticJob(job).run()
-            else:
-                job.start(world, prepared.resumed)
-                job.run(world)
+            membership.run(job, world, prepared.resumed)
         except BaseException:
             job.close(failed=True)
             raise

@@ -20,7 +20,7 @@ from torch import nn
 
 from hvd_cpu.config.options import Task, TrainConfig
 from hvd_cpu.data.features import FeatureTransform
-from hvd_cpu.data.loader import ShardedBatches, ShardSampler
+from hvd_cpu.data.loader import OwnRowsSampler, ShardedBatches, ShardSampler
 from hvd_cpu.model.losses import Loss
 from hvd_cpu.model.networks import parameter_digest
 from hvd_cpu.model.optim import adam
@@ -112,9 +112,7 @@ class Trainer:
         lr = self.lr()
         # Derived, not carried: a resumed run draws the same random numbers (dropout...).
         torch.manual_seed(self.config.seed * 1_000_003 + epoch)
-        self.batches.set_epoch(epoch)
-        if self.config.elastic:
-            self.batches.sampler.skip = state.epoch_rows
+        self.batches.set_epoch(epoch, state.epoch_rows)
         self.model.train()
         # Summed as tensors, float64 so long epochs stay exact: the loop waits on no .item()
         # (but for the progress bar's running loss, shown on a terminal only).
@@ -201,20 +199,16 @@ class Trainer:
 def build_trainer(
     config: TrainConfig, world: World, prepared: Prepared, model: nn.Module
 ) -> Trainer:
-    """A Trainer of `model` over this rank's shard of `prepared`; call on every rank
-    (collectives)."""
-    length = prepared.train_length if config.shard_read else None  # its own rows, padded
-    sampler = ShardSampler(
-        len(prepared.train_rows), world.rank, world.size, config.shuffle, config.seed, length
-    )
-    batches = ShardedBatches(prepared.arrays, prepared.train_rows, config.batch_size, sampler)
-    if config.elastic:  # every rank holds all held-out rows; no collective before the loop
-        has_validation = len(prepared.val_rows) > 0
+    """A Trainer of `model` over this rank's shard of `prepared`."""
+    rows, rank, size, seed = len(prepared.train_rows), world.rank, world.size, config.seed
+    sampler: ShardSampler
+    if config.shard_read:  # its own rows, padded to the longest rank's
+        sampler = OwnRowsSampler(rows, rank, size, config.shuffle, seed, prepared.train_length)
     else:
-        held_out = torch.tensor([len(prepared.val_rows)])
-        has_validation = world.collectives.sum(held_out, "val_rows") > 0
+        sampler = ShardSampler(rows, rank, size, config.shuffle, seed)
+    batches = ShardedBatches(prepared.arrays, prepared.train_rows, config.batch_size, sampler)
     validation = None
-    if has_validation:
+    if prepared.has_validation:
         arrays = prepared.arrays
         x, y = torch.from_numpy(arrays.x), torch.from_numpy(arrays.y)
         validation = Validation(x, y, prepared.val_rows)

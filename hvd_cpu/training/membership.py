@@ -1,0 +1,64 @@
+"""How a job's ranks come together, one class per way (as training/sync.py has one class per
+strategy), so that the rest of training/ asks its membership and branches on no mode.
+
+- `Fixed`: the same ranks from the start to the end (horovodrun, mpirun, srun, fit()). They
+  prepare together, rank 0 holds the output folder for the run, and the job runs once.
+- `Elastic` (training/elastic.py): horovodrun's elastic mode, where ranks go and come. Each
+  rank prepares alone, the output is checked once the ranks are together, and the job runs
+  inside Horovod's elastic loop.
+
+A new way (Spark's tasks) is one new subclass, chosen in train.py.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from hvd_cpu.config.options import TrainConfig
+from hvd_cpu.output.model_files import Checkpoint
+from hvd_cpu.runtime.world import World
+from hvd_cpu.training.prepare import open_output_together
+
+if TYPE_CHECKING:  # job.py's Job runs under a membership; it is not imported for that
+    from hvd_cpu.training.job import Job
+
+
+class Start(NamedTuple):
+    """What a rank prepares from: the world it prepares on, rank 0's checkpoint to resume
+    (None elsewhere, or not yet), and the fitted features to reuse (--resume)."""
+
+    world: World
+    resumed: Checkpoint | None
+    fitted: dict[str, Any] | None
+
+
+class Membership(ABC):
+    @abstractmethod
+    def start(self, config: TrainConfig, world: World) -> Start:
+        """Before preparing: check the output (or leave that for later) and say what to
+        prepare from."""
+
+    @abstractmethod
+    def has_validation(self, held_out: int, world: World) -> bool:
+        """Whether the job has held-out rows, given this rank's `held_out`."""
+
+    @abstractmethod
+    def run(self, job: Job, world: World, resumed: Checkpoint | None) -> None:
+        """The job's epochs, from `resumed` (rank 0's), to its end."""
+
+
+class Fixed(Membership):
+    def start(self, config: TrainConfig, world: World) -> Start:
+        resumed = open_output_together(config, world, lock=True)
+        fitted = world.collectives.broadcast_object(resumed.features if resumed else None, "fitted")
+        return Start(world, resumed, fitted)
+
+    def has_validation(self, held_out: int, world: World) -> bool:
+        return bool(world.collectives.sum(torch.tensor([held_out]), "val_rows") > 0)
+
+    def run(self, job: Job, world: World, resumed: Checkpoint | None) -> None:
+        job.start(world, resumed)
+        job.run(world)
