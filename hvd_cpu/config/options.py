@@ -3,7 +3,7 @@ a TrainConfig field that also declares its command-line option (cli_options.py m
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -80,6 +80,24 @@ def option(
     training option is written (its click option, bench's spelling of it and its --config key
     follow from this)."""
     return field(default=default, metadata={OPTION: Option(help, type, metavar, flag, repeat)})
+
+
+def _within(bounds: click.IntRange | click.FloatRange, value: float) -> bool:
+    try:
+        bounds.convert(value, None, None)
+    except click.BadParameter:
+        return False
+    return True
+
+
+def _range_words(bounds: click.IntRange | click.FloatRange) -> str:
+    """A click range in words: "at least 1", "above 0", "between 0 and 9", "in [0, 1)"."""
+    low, high = (f"{b:g}" if isinstance(b, float) else b for b in (bounds.min, bounds.max))
+    if high is None:
+        return f"above {low}" if bounds.min_open else f"at least {low}"
+    if not bounds.min_open and not bounds.max_open:
+        return f"between {low} and {high}"
+    return f"in {'(' if bounds.min_open else '['}{low}, {high}{')' if bounds.max_open else ']'}"
 
 
 @dataclass(frozen=True)
@@ -310,45 +328,30 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        counts = (
-            "epochs",
-            "batch_size",
-            "max_categories",
-            "checkpoint_every",
-            "sync_every",
-            "commit_every",
-        )
-        for name in counts:
-            if getattr(self, name) < 1:
-                raise InputError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_restarts < 0:
-            raise InputError(f"max_restarts must be at least 0, got {self.max_restarts}")
+        # The bounds are the command line's (each field's click range): declared once.
+        for item in fields(self):
+            bounds, value = item.metadata[OPTION].type, getattr(self, item.name)
+            ranged = isinstance(bounds, click.IntRange | click.FloatRange)
+            if ranged and value is not None and not _within(bounds, value):
+                raise InputError(f"{item.name} must be {_range_words(bounds)}, got {value}")
         if not (self.stall_seconds == 0 or self.stall_seconds >= MIN_STALL_SECONDS):
             raise InputError(
                 f"--stall-seconds must be 0 (never end a job) or at least {MIN_STALL_SECONDS:g} "
                 f"(a busy machine delays a heartbeat by a second), got {self.stall_seconds:g}"
             )
-        if not 0 <= self.seed <= SEED_MAX:
-            raise InputError(f"--seed must be between 0 and {SEED_MAX}, got {self.seed}")
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise InputError(
                     f"{name} must be one of {', '.join(map(repr, allowed))}, "
                     f"got {getattr(self, name)!r}"
                 )
-        if self.lr <= 0:
-            raise InputError(f"lr must be positive, got {self.lr}")
         check_encoding(self.encoding)
-        if self.threads is not None and self.threads < 1:
-            raise InputError(f"threads must be at least 1, got {self.threads}")
         if not self.targets:
             raise InputError("name at least one --target column")
         if any(size < 1 for size in self.hidden):
             raise InputError(f"hidden layer sizes must be at least 1, got {self.hidden}")
         if self.shard_read and self.data is None:
             raise InputError("--shard-read reads a parquet file or folder: pass it with --data")
-        if not 0 <= self.val_fraction < 1:
-            raise InputError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.patience is not None and self.val_fraction == 0:
             raise InputError("--patience watches the validation loss: set --val-fraction above 0")
         if self.resume and self.overwrite:
