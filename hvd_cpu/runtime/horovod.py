@@ -345,21 +345,22 @@ def elastic_world(threads: int | None, stall_seconds: float) -> World:
 
 class ElasticState(State):
     """What survives a lost rank: a copy in memory, taken at each commit, of what `capture`
-    returns; after a failure `apply` puts it back, and `sync` gives every rank rank 0's.
+    returns; after a failure `apply` puts it back; at each (re)start `rejoin` gives every rank
+    its new place and rank 0's state (what Horovod's State calls sync).
 
     Horovod's TorchState would broadcast the optimizer with broadcast_optimizer_state, whose
     zero-gradient step on a joining rank's fresh optimizer shifts Adam's bias correction; this
-    one leaves capture, apply and sync to the training code (training/elastic.py).
+    one leaves capture, apply and rejoin to the training code (training/elastic.py).
     """
 
     def __init__(
         self,
         capture: Callable[[], dict[str, Any]],
         apply: Callable[[dict[str, Any]], None],
-        sync: Callable[[], None],
+        rejoin: Callable[[], None],
     ) -> None:
         super().__init__(bcast_object=_broadcast_host_updates, get_rank=hvd.rank)
-        self._capture, self._apply, self._sync = capture, apply, sync
+        self._capture, self._apply, self._rejoin = capture, apply, rejoin
         self._saved: dict[str, Any] = {}
         self.failures = 0  # times the job lost a rank and went on (not undone by restore)
 
@@ -370,7 +371,7 @@ class ElasticState(State):
         self._apply(copy.deepcopy(self._saved))
 
     def sync(self) -> None:
-        self._sync()
+        self._rejoin()
         self.failures = hvd.broadcast_object(self.failures, root_rank=0, name="elastic_failures")
         self.save()
 

@@ -1,7 +1,7 @@
 """--elastic, in one place on the training side: its membership (`Elastic`: each rank prepares
 alone, and the job runs inside Horovod's elastic loop, runtime/horovod.py, again each time
 ranks come or go, from the state all ranks just took from rank 0). What the loop keeps
-(`capture`), puts back (`apply`) and shares (`sync`) is here; the sampler goes on mid-epoch
+(`capture`), puts back (`apply`) and shares (`rejoin`) is here; the sampler goes on mid-epoch
 from the rows the ranks trained (data/loader.py, ShardSampler.set_epoch).
 """
 
@@ -63,7 +63,7 @@ class ElasticJob:
 
     def __init__(self, job: Job) -> None:
         self.job = job
-        self.state = horovod.ElasticState(self.capture, self.apply, self.sync)
+        self.state = horovod.ElasticState(self.capture, self.apply, self.rejoin)
 
     def run(self) -> None:
         """The whole run, or RunFailed after more than --max-restarts lost ranks."""
@@ -85,14 +85,14 @@ class ElasticJob:
         self.job.trainer.load(saved["model"], saved["optimizer"], saved["loop"])
         self.job.started = saved["started"]
 
-    def sync(self) -> None:
+    def rejoin(self) -> None:
         """At each (re)start, on the ranks there are now: first this rank's new place (rank 0
         may be gone, and another rank is rank 0 now), then rank 0's state."""
         job = self.job
         self.before = job.trainer.world.size
         self.world = horovod.elastic_world(job.config.threads, job.config.stall_seconds)
         job.trainer.resize(self.world)
-        job.trainer.sync_from_root()
+        job.trainer.take_root_state()
         shared = job.trainer.world.collectives.broadcast_object(
             (job.started, job.saved_epoch), "job_state"
         )

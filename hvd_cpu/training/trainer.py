@@ -36,7 +36,8 @@ from hvd_cpu.training.validation import Validation
 
 
 class Trainer:
-    """One rank's part of the job; how it stays in step with the others is its `sync`."""
+    """One rank's part of the job; how it stays in step with the others is its
+    `gradient_sync`."""
 
     def __init__(
         self,
@@ -49,22 +50,22 @@ class Trainer:
     ) -> None:
         self.config = config
         self.model = model
-        self.sync = sync.choose(config, adam(model.parameters(), config.lr), model, world)
-        self.optimizer = self.sync.optimizer
+        self.gradient_sync = sync.choose(config, adam(model.parameters(), config.lr), model, world)
+        self.optimizer = self.gradient_sync.optimizer
         self.batches = batches
         self.validation = validation
         self.classification = config.task == Task.CLASSIFICATION
         self.loss_fn = loss_fn
         self.state = LoopState()
-        self._join(world)
+        self._schedule_for(world)
 
-    def _join(self, world: World) -> None:
-        """This rank's place, and the lr schedule for its job's size (again whenever --elastic
-        resizes)."""
+    def _schedule_for(self, world: World) -> None:
+        """The lr schedule for `world`'s size, and this rank's place in it (again whenever
+        --elastic resizes)."""
         config = self.config
         self.world = world
         self.peak_lr = scaled_lr(
-            config.lr, world.size, config.scale_lr, self.sync.global_batch_steps
+            config.lr, world.size, config.scale_lr, self.gradient_sync.global_batch_steps
         )
         self.warmup_steps = config.warmup_epochs * len(self.batches)
 
@@ -74,7 +75,7 @@ class Trainer:
         self.batches.sampler.reshard(world.rank, world.size)
         if self.validation:
             self.validation.reshard(world.rank, world.size)
-        self._join(world)
+        self._schedule_for(world)
 
     def lr(self) -> float:
         state = self.state
@@ -89,11 +90,11 @@ class Trainer:
         seconds spent waiting for the other ranks."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr()
-        self.sync.zero_grad()
+        self.gradient_sync.zero_grad()
         out = self.model(x)
         loss = self.loss_fn(out, y)
         loss.backward()
-        waited = self.sync.step(self.state.step + 1)
+        waited = self.gradient_sync.step(self.state.step + 1)
         self.state.step += 1
         correct = (out.argmax(1) == y).sum() if self.classification else torch.zeros(())
         return loss.detach() * len(x), correct, waited
@@ -128,7 +129,7 @@ class Trainer:
                 progress.update(len(x), float(loss_sum) / len(x))
             if after_step:
                 after_step()
-        waited += self.sync.end_epoch()
+        waited += self.gradient_sync.end_epoch()
         seconds = time.perf_counter() - start
         totals = torch.cat([totals, torch.tensor([waited], dtype=torch.float64)])
         totals = self.world.collectives.sum(totals, "epoch_totals")
@@ -175,7 +176,7 @@ class Trainer:
         self.optimizer.load_state_dict(optimizer)
         self.state = LoopState(**loop)
 
-    def sync_from_root(self) -> None:
+    def take_root_state(self) -> None:
         """Every rank takes rank 0's parameters, optimizer state and loop state.
 
         The optimizer state goes as one object: Horovod's broadcast_optimizer_state would first
@@ -193,7 +194,7 @@ class Trainer:
         """Rank 0 loads `saved` (if resuming); then every rank takes rank 0's state."""
         if saved is not None:
             self.load(saved.model, saved.optimizer, saved.loop)
-        self.sync_from_root()
+        self.take_root_state()
 
 
 def build_trainer(
@@ -226,7 +227,7 @@ def rank_report(world: World, trainer: Trainer, first_step_unix: float) -> dict[
         "threads": world.threads,
         "controller": world.controller,
         "transport": world.transport,
-        "sync": trainer.sync.described,
+        "sync": trainer.gradient_sync.described,
         "shard_rows": len(trainer.batches.sampler),
         "rows_read": len(trainer.batches.x),  # encoded here: all rows, or its own (--shard-read)
         "epochs_run": trainer.state.epoch,
