@@ -5,9 +5,8 @@ from typing import Any
 
 # Arrow picks its allocator when pyarrow is first imported. Its default, mimalloc, keeps the
 # memory of freed buffers for reuse, so a parquet table converted to pandas stays counted
-# twice; jemalloc, told in data/parquet.py to give freed pages back at once, does not: 0.7 x
-# the rank's part of the table less at its peak, measured (docs/usage.md#big-tables). Your
-# own setting wins.
+# twice; jemalloc, told in data/parquet.py to give freed pages back at once, does not (the
+# peak it saves: docs/usage.md#big-tables). Your own setting wins.
 os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "jemalloc")
 
 __version__ = "0.1.0"

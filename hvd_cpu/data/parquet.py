@@ -24,7 +24,7 @@ from hvd_cpu.data.columns import BATCH, text_column_names
 from hvd_cpu.errors import InputError
 
 # Column chunks read as they are decoded, not the whole row group's first (pre-buffering
-# holds a compressed row group beside the decoded batches: measured, 40 MB more at the peak).
+# would hold a compressed row group beside the decoded batches, at the peak).
 SCAN = ds.ParquetFragmentScanOptions(pre_buffer=False)
 
 
@@ -40,7 +40,7 @@ def to_pandas(table: pa.Table) -> pd.DataFrame:
     """Convert without holding the Arrow and pandas copies at once (peak memory ~1x, not 3x).
 
     The pandas columns come from the system allocator, which hands a column's memory back
-    when the frame is dropped; from jemalloc a third of the frame stayed resident (measured).
+    when the frame is dropped; from jemalloc part of the frame stays resident.
     """
     return table.to_pandas(
         memory_pool=pa.system_memory_pool(), split_blocks=True, self_destruct=True

@@ -1,11 +1,12 @@
 """The optimizer: Adam with its fused CPU kernel, built without importing torch's compiler.
 
-Two measured costs, neither of which buys anything on a CPU job that never compiles:
+Two costs, neither of which buys anything on a CPU job that never compiles (what each
+measured: docs/measurements.md, "What was tried and what was kept"):
 - torch imports torch._dynamo (and sympy) the first time an optimizer is built or steps, only
-  to mark the optimizer's methods as "do not compile": about 1 s of CPU per process, paid by
-  every rank at launch (4 ranks on 2 cores wait about 2 s for it).
-- Adam's default (foreach) update takes 0.18 ms per step of the seed's MLP; the fused kernel
-  takes 0.08 ms, a third of the whole step at batch 64.
+  to mark the optimizer's methods as "do not compile": a second of CPU per process, paid by
+  every rank at launch.
+- Adam's default (foreach) update takes about twice the fused kernel's time, which matters
+  where a whole step of a small model is a fraction of a millisecond.
 Skipping the import relies on how torch wraps Optimizer's methods and Adam.step. Both are
 checked first: if a torch release changes them, `adam` quietly returns stock fused Adam, the
 same updates with the import's cost back. tests/test_optim.py checks that the lean path is

@@ -2,12 +2,11 @@
 directly from the training thread instead of through Horovod's background thread, and what
 --allreduce direct averages gradients over.
 
-Why, measured on a 2-core VM (docs/measurements.md): Horovod hands each collective to a
-background thread that agrees on it with the other ranks' threads (a collective of its own)
-and then runs it; hvd.DistributedOptimizer adds a Python hook per gradient. With one core per
-rank that costs about 0.24 ms a step over MPI (before the wake-on-wait patch, a whole 1 ms
-cycle), as much as a small model's whole step, while MPI's shared-memory transport moves the
-same 705 floats in 4 microseconds.
+Why (the numbers: docs/measurements.md): Horovod hands each collective to a background thread
+that agrees on it with the other ranks' threads (a collective of its own) and then runs it;
+hvd.DistributedOptimizer adds a Python hook per gradient. With one core per rank those
+hand-overs cost as much as a small model's whole step, while MPI's shared-memory transport
+moves its gradients in microseconds.
 """
 
 from __future__ import annotations

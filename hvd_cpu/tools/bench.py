@@ -3,8 +3,8 @@ threads per rank, per-rank batch, sync interval and gradient allreduce train a g
 model fastest, and say so honestly, ending with the command line that runs it.
 
 For each process count, thread count and controller it launches one job (Horovod's programmatic
-launcher, as `hvd_cpu.fit` does: changing torch's thread count inside a running process
-measured up to 5x slower than starting with it). In the job, every setting trains from the
+launcher, as `hvd_cpu.fit` does: a process whose torch thread count changes after it has run
+trains several times slower than one started with it). In the job, every setting trains from the
 same start for a few epochs with the real training loop; the last epoch is timed (the first
 pays for warm-up). A step's time
 splits into compute and the wait for the other ranks (the gradient allreduce, or the
