@@ -43,9 +43,9 @@ def _fail(show: Callable[[], None], code: int, together: bool = False) -> NoRetu
         show()
     if together:
         # Imported lazily: `hvd-cpu --help` and make-demo-data should not pay for Horovod.
-        from hvd_cpu.runtime import horovod
+        from hvd_cpu.runtime import join
 
-        horovod.leave_together()
+        join.leave_together()
     if not launch_rank_known():
         sys.exit(code)
     if launch_rank() == 0 and not together:

@@ -11,7 +11,7 @@ import torch
 
 from hvd_cpu.errors import InputError
 from hvd_cpu.output.console import say
-from hvd_cpu.runtime import horovod
+from hvd_cpu.runtime import join
 
 
 def expect_error(collectives: object, step: object, text: str) -> None:
@@ -24,7 +24,7 @@ def expect_error(collectives: object, step: object, text: str) -> None:
 
 
 def main() -> None:
-    world = horovod.init(threads=1)
+    world = join.init(threads=1)
     c, rank, size = world.collectives, world.rank, world.size
     assert size == 2
     values = torch.tensor([rank + 1.0, 10.0 * (rank + 1)], dtype=torch.float64)

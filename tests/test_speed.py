@@ -232,9 +232,9 @@ def test_programmatic_launch_keeps_horovods_default_cycle_time_and_cache() -> No
     """Horovod 0.28.1's horovod.run() set HOROVOD_CYCLE_TIME='(None,)' (a background thread
     that never sleeps) and HOROVOD_CACHE_CAPACITY='(None,)'; the project's patch fixes it."""
     code = (
-        "import os; from hvd_cpu.runtime import horovod; "
+        "import os; from hvd_cpu.runtime import launch; "
         "names = ('HOROVOD_CYCLE_TIME', 'HOROVOD_CACHE_CAPACITY'); "
-        "print(horovod.launch(lambda: [os.environ.get(n) for n in names], (), 2, None))"
+        "print(launch.launch(lambda: [os.environ.get(n) for n in names], (), 2, None))"
     )
     out = run([str(BIN / "python"), "-c", code])
     assert out.returncode == 0, out.stderr

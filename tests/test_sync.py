@@ -10,7 +10,7 @@ from torch import nn
 
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.errors import InputError
-from hvd_cpu.runtime import horovod
+from hvd_cpu.runtime import join
 from hvd_cpu.runtime.collectives import Alone
 from hvd_cpu.runtime.world import SHARED_MEMORY, World
 from hvd_cpu.training import sync
@@ -182,7 +182,7 @@ def test_the_direct_allreduce_needs_a_backend_that_runs_in_the_calling_thread() 
 
 def test_a_job_of_one_takes_horovods_optimizer_whatever_the_options() -> None:
     """And its collectives are the job of one's: nothing goes through Horovod's cycle."""
-    world = horovod.init(threads=1)
+    world = join.init(threads=1)
     assert world.size == 1 and type(world.collectives) is Alone
     for options in ({}, {"sync_every": 4}, {"allreduce": "direct"}):
         net = model()

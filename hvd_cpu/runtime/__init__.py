@@ -1,11 +1,14 @@
 """The job a rank belongs to: joining it, what the ranks exchange, the machine's cores, how the
 process ends.
 
-world.py is the World, where a rank stands (a plain value, no Horovod in it). horovod.py holds
-every direct Horovod call (init, launching from Python, Horovod's collectives and
-DistributedOptimizer, elastic mode). collectives.py is the one interface of what ranks
-exchange; each backend is a subclass (Horovod's in horovod.py, MPI's in mpi.py, the job of one
-in collectives.py): a new backend is one new subclass, chosen in horovod.py's `_collectives`.
+world.py is the World, where a rank stands (a plain value, no Horovod in it). join.py joins
+the job (init, and elastic_world after a reset) and chooses the backend of the job's
+collectives in one place (`_backend`); launch.py starts ranks from Python; elastic_loop.py
+runs Horovod's elastic loop. horovod.py holds every direct Horovod call, each as small as it
+can be (starting it, its collectives, its DistributedOptimizer, its launcher, its elastic
+state). collectives.py is the one interface of what ranks exchange; each backend is a subclass
+(Horovod's in horovod.py, MPI's in mpi.py, the job of one in collectives.py): a new backend is
+one new subclass, chosen in join.py's `_backend`.
 cores.py gives each rank its share of cores; lifecycle.py signals, exit codes, parent death;
 watchdog.py heartbeats between the ranks, so a rank that stops answering ends the job;
 driver.py runs Horovod's launcher for fit() in a child process (the caller keeps its Ctrl-C);

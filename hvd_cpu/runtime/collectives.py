@@ -5,7 +5,7 @@ per backend, chosen once when a rank joins the job and held by its `World`.
 Backends: Horovod's collectives (runtime/horovod.py; under Gloo they are all there is), an
 mpi4py communicator beside Horovod (runtime/mpi.py; from the calling thread, without Horovod's
 background thread) and `Alone`, the job of one (a plain process, a rank preparing alone under
---elastic). A new backend is one new subclass, chosen in runtime/horovod.py's `_collectives`.
+--elastic). A new backend is one new subclass, chosen in runtime/join.py's `_backend`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ comes back through the caller's own sys.stdout and sys.stderr (a notebook cell, 
 terminal that started Jupyter).
 
     run(func, args, ...)                      in the caller
-    python -m hvd_cpu.runtime.driver JOB OUT  the child: horovod.launch, the outcome to OUT
+    python -m hvd_cpu.runtime.driver JOB OUT  the child: launch.launch, the outcome to OUT
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def run(
     controller: str,
     watch: Callable[[], None] | None = None,
 ) -> list[Any]:
-    """`func(*args)` on `np` new ranks (horovod.launch, in a child process); every rank's
+    """`func(*args)` on `np` new ranks (launch.launch, in a child process); every rank's
     result in rank order. Bad input raises InputError with the ranks' message, a failed
     rank RunFailed, an interrupt KeyboardInterrupt once every rank is gone."""
     with tempfile.TemporaryDirectory(prefix="hvd-cpu-driver-") as folder:
@@ -122,12 +122,12 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 def main(job: str, outcome: str) -> None:
     """The child: launch the job, write ("result", results), ("error", InputError) or
     ("failed", what failed) to `outcome`."""
-    from hvd_cpu.runtime import horovod
+    from hvd_cpu.runtime import launch
 
     end_with_parent()  # a kernel restarted or a script killed takes its job with it
     func, args, np, hosts, controller = cloudpickle.loads(Path(job).read_bytes())
     try:
-        result: tuple[str, Any] = ("result", horovod.launch(func, args, np, hosts, controller))
+        result: tuple[str, Any] = ("result", launch.launch(func, args, np, hosts, controller))
     except InputError as exc:
         result = ("error", exc)
     except Exception as exc:  # Horovod's WorkerFailed, a launcher that could not start

@@ -1,5 +1,5 @@
 """Where a rank stands in its job: a plain value, free of Horovod, that every room below the
-commands can hold (runtime/horovod.py's `init` makes it, once per rank, or again under
+commands can hold (runtime/join.py's `init` makes it, once per rank, or again under
 --elastic when the ranks change)."""
 
 from __future__ import annotations

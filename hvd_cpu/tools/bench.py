@@ -27,7 +27,7 @@ import torch
 from hvd_cpu.config.cli_options import command_words
 from hvd_cpu.config.options import CONTROLLER_NAMES, TrainConfig
 from hvd_cpu.errors import InputError, RunFailed
-from hvd_cpu.runtime import horovod
+from hvd_cpu.runtime import join, launch
 from hvd_cpu.runtime.cores import default_threads
 from hvd_cpu.training.membership import Fixed
 from hvd_cpu.training.prepare import prepare
@@ -114,7 +114,7 @@ def jobs(config: BenchConfig) -> list[list[Setting]]:
         threads = max(1, config.cores // processes)
         for controller in config.controllers:
             ways = [(k, "horovod") for k in config.sync_intervals]
-            if horovod.may_average_directly(controller) and 1 in config.sync_intervals:
+            if join.may_average_directly(controller) and 1 in config.sync_intervals:
                 ways.insert(1, (1, "direct"))
             settings = [
                 Setting(processes, threads, batch, k, controller, allreduce)
@@ -131,7 +131,7 @@ def _measure_on_rank(
     """Run on every rank: train each setting (all with the same threads) from the same start.
     Rank 0 returns the measurements and the time of the first step (to measure the launch)."""
     first = settings[0]
-    world = horovod.init(first.threads)
+    world = join.init(first.threads)
     prepared = prepare(train_config, world, Fixed())
     first_step = time.time()
     measurements = []
@@ -164,7 +164,7 @@ def run(config: BenchConfig, epochs: int) -> dict[str, Any]:
     for settings in jobs(config):
         first = settings[0]
         launched = time.time()
-        found, first_step = horovod.launch(
+        found, first_step = launch.launch(
             _measure_on_rank,
             (config.train, settings, epochs),
             np=first.processes,
@@ -321,7 +321,7 @@ def _allreduce_option(setting: Setting) -> str:
     """--allreduce for `setting`: auto where auto picks the same (or nothing is averaged):
     direct wherever the job had one (training/sync.py's `averaging`), and a direct row is
     only measured where it had."""
-    auto = "direct" if horovod.may_average_directly(setting.controller) else "horovod"
+    auto = "direct" if join.may_average_directly(setting.controller) else "horovod"
     if setting.processes == 1 or setting.sync_every > 1 or setting.allreduce == auto:
         return "auto"
     return setting.allreduce

@@ -25,7 +25,8 @@ from hvd_cpu.data.parquet import Pieces
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.networks import EVAL_ROWS, build_model, outputs
 from hvd_cpu.output.model_files import ModelFile
-from hvd_cpu.runtime import horovod
+from hvd_cpu.runtime import join
+from hvd_cpu.runtime.world import World
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class PredictConfig:
 
 
 def load(
-    config: PredictConfig, world: horovod.World
+    config: PredictConfig, world: World
 ) -> tuple[nn.Module, FeatureTransform, Pieces | InMemory]:
     """The model, its transformation and the new rows, opened (parquet is read block by
     block later: a rank reads only the row groups its block lies in); rank 0, which writes
@@ -63,7 +64,7 @@ def load(
 def block_of(
     rows: Pieces | InMemory,
     transform: FeatureTransform,
-    world: horovod.World,
+    world: World,
     id_column: str | None,
 ) -> pd.DataFrame:
     """This rank's contiguous block of the new rows, its columns checked."""
@@ -152,7 +153,7 @@ def predictions(
 
 def predict(config: PredictConfig) -> pd.DataFrame | None:
     """Predict on every rank's block of rows; rank 0 writes them all and returns them."""
-    world = horovod.init()
+    world = join.init()
     agreed = world.collectives.agreed
     model, transform, rows = agreed(lambda: load(config, world))
     check_same_data(config.data, rows, world.collectives, whole=True)

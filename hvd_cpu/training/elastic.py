@@ -1,5 +1,5 @@
 """--elastic, in one place on the training side: its membership (`Elastic`: each rank prepares
-alone, and the job runs inside Horovod's elastic loop, runtime/horovod.py, again each time
+alone, and the job runs inside Horovod's elastic loop, runtime/elastic_loop.py, again each time
 ranks come or go, from the state all ranks just took from rank 0). What the loop keeps
 (`capture`), puts back (`apply`) and shares (`rejoin`) is here; the sampler goes on mid-epoch
 from the rows the ranks trained (data/loader.py, ShardSampler.set_epoch).
@@ -15,7 +15,7 @@ from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.lines import say
 from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
-from hvd_cpu.runtime import horovod
+from hvd_cpu.runtime import elastic_loop, horovod, join
 from hvd_cpu.runtime.world import World
 from hvd_cpu.training.job import Job, checkpoint_kept
 from hvd_cpu.training.membership import Membership, Start
@@ -31,7 +31,7 @@ class Elastic(Membership):
     @classmethod
     def launched(cls) -> Elastic:
         """The membership of this process, which horovodrun's elastic mode must have started."""
-        if not horovod.elastic_launched():
+        if not join.elastic_launched():
             raise InputError(
                 "--elastic needs horovodrun's elastic mode: start it with launch/elastic.sh (or "
                 "horovodrun --gloo --min-np N --host-discovery-script FILE), or leave out "
@@ -69,7 +69,7 @@ class ElasticJob:
         """The whole run, or RunFailed after more than --max-restarts lost ranks."""
         job, config = self.job, self.job.config
         try:
-            horovod.run_elastic(self.state, self._run_once, config.max_restarts)
+            elastic_loop.run_elastic(self.state, self._run_once, config.max_restarts)
         except RunFailed as failed:
             raise RunFailed(
                 f"{failed}; {checkpoint_kept(config.output, job.saved_epoch)}: "
@@ -90,7 +90,7 @@ class ElasticJob:
         may be gone, and another rank is rank 0 now), then rank 0's state."""
         job = self.job
         self.before = job.trainer.world.size
-        self.world = horovod.elastic_world(job.config.threads, job.config.stall_seconds)
+        self.world = join.elastic_world(job.config.threads, job.config.stall_seconds)
         job.trainer.resize(self.world)
         job.trainer.take_root_state()
         shared = job.trainer.world.collectives.broadcast_object(

@@ -12,7 +12,7 @@ from torch import nn
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.output import lock
-from hvd_cpu.runtime import horovod, startup, watchdog
+from hvd_cpu.runtime import horovod, join, startup, watchdog
 from hvd_cpu.training.elastic import Elastic
 from hvd_cpu.training.job import Job
 from hvd_cpu.training.membership import Fixed
@@ -34,7 +34,7 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
     the processes of `comm`, an mpi4py communicator, are one job over MPI)."""
     startup.reached("imported")
     membership = Elastic.launched() if config.elastic else Fixed()
-    world = horovod.init(config.threads, comm, config.stall_seconds)
+    world = join.init(config.threads, comm, config.stall_seconds)
     startup.reached("joined")
     try:
         prepared = prepare(config, world, membership)  # rank 0 takes the output folder here
