@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from hvd_cpu.errors import InputError
-from hvd_cpu.output.console import say
+from hvd_cpu.lines import say
 from hvd_cpu.runtime import join
 
 

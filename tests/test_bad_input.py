@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hvd_cpu.data.features import Selection, fit
-from hvd_cpu.runtime.collectives import Alone
+from hvd_cpu.runtime.alone import Alone
 
 from .jobs import (
     RANK_PREFIX,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hvd_cpu.errors import InputError
-from hvd_cpu.runtime.collectives import Alone
+from hvd_cpu.runtime.alone import Alone
 
 from .jobs import BIN, REPO, horovodrun_command, run
 

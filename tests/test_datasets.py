@@ -16,7 +16,7 @@ from hvd_cpu.data.demo import make_demo_frame
 from hvd_cpu.data.features import Selection, fit
 from hvd_cpu.data.frames import parquet_rows, read_frame
 from hvd_cpu.errors import InputError
-from hvd_cpu.runtime.collectives import Alone
+from hvd_cpu.runtime.alone import Alone
 
 from .jobs import BIN, SLOW, horovodrun, hvd_cpu, ranks, run, skip_without_mpi, slow_except
 

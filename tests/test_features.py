@@ -11,7 +11,7 @@ import pytest
 from hvd_cpu.data.demo import NOISE_STD, make_demo_frame
 from hvd_cpu.data.features import FeatureTransform, Selection, fit
 from hvd_cpu.errors import InputError
-from hvd_cpu.runtime.collectives import Alone
+from hvd_cpu.runtime.alone import Alone
 
 from .messy import messy_frame
 

@@ -19,7 +19,7 @@ from hvd_cpu.errors import InputError
 from hvd_cpu.model.networks import Network, build_model
 from hvd_cpu.model.optim import adam
 from hvd_cpu.output.model_files import CHECKPOINT, MODEL, Checkpoint, ModelFile
-from hvd_cpu.runtime.collectives import Alone
+from hvd_cpu.runtime.alone import Alone
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import torch
 from hvd_cpu.config.options import DEMO_FEATURES, DEMO_ROWS, TrainConfig
 from hvd_cpu.errors import InputError
 from hvd_cpu.output.model_files import CHECKPOINT
-from hvd_cpu.runtime.collectives import Alone
+from hvd_cpu.runtime.alone import Alone
 from hvd_cpu.runtime.world import World
 from hvd_cpu.training.elastic import Elastic
 from hvd_cpu.training.membership import Fixed

@@ -21,7 +21,7 @@ from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.model.networks import Network, parameter_digest
 from hvd_cpu.model.optim import adam
 from hvd_cpu.runtime import horovod
-from hvd_cpu.runtime.collectives import Alone
+from hvd_cpu.runtime.alone import Alone
 from hvd_cpu.runtime.world import SHARED_MEMORY_SWITCH, World
 from hvd_cpu.training import sync
 

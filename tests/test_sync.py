@@ -11,7 +11,7 @@ from torch import nn
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.errors import InputError
 from hvd_cpu.runtime import join
-from hvd_cpu.runtime.collectives import Alone
+from hvd_cpu.runtime.alone import Alone
 from hvd_cpu.runtime.world import SHARED_MEMORY, World
 from hvd_cpu.training import sync
 

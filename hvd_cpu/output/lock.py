@@ -19,19 +19,37 @@ from pathlib import Path
 
 from hvd_cpu.atomic import atomic_write
 from hvd_cpu.errors import InputError
-from hvd_cpu.runtime.lifecycle import on_exit
+from hvd_cpu.runtime.lifecycle import off_exit, on_exit
 
 HOLDER = ".hvd-cpu-job.json"
-_held: dict[Path, int] = {}  # the folders this process holds, with the descriptor locked
-_made: dict[Path, list[Path]] = {}  # and the folders it made for them
 
 
-def hold(output: Path) -> None:
+class HeldFolder:
+    """An output folder this process holds for its job, until `release`."""
+
+    def __init__(self, output: Path, descriptor: int, made: list[Path]) -> None:
+        self.output, self.descriptor, self.made = output, descriptor, made
+
+    def release(self) -> None:
+        """The job is over (or ending): its name goes, then folders made only for it that
+        stayed empty, then the lock. Once only."""
+        if self.descriptor < 0:
+            return
+        off_exit(self.release)
+        with contextlib.suppress(OSError):
+            (self.output / HOLDER).unlink()
+        for folder in self.made:  # the deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        os.close(self.descriptor)
+        self.descriptor = -1
+
+
+def hold(output: Path) -> HeldFolder:
     """Take `output` for this job (made if missing), or refuse with one line naming the job
-    that has it; --overwrite and --resume take a folder from a finished job, not a running one."""
+    that has it; --overwrite and --resume take a folder from a finished job, not a running one.
+    Released by the caller, or when the process ends."""
     output = output.absolute()
-    if output in _held:
-        return
     made = [parent for parent in (output, *output.parents) if not parent.exists()]
     output.mkdir(parents=True, exist_ok=True)
     descriptor = os.open(output, os.O_RDONLY | os.O_DIRECTORY)
@@ -43,13 +61,13 @@ def hold(output: Path) -> None:
             f"{output} is being written by another job ({_holder(output)}); wait for it to "
             "end, or choose another --output (--overwrite does not take a running job's folder)"
         ) from None
-    _held[output] = descriptor
-    _made[output] = made
+    held = HeldFolder(output, descriptor, made)
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
     text = (json.dumps(holder) + "\n").encode()
     atomic_write(output / HOLDER, lambda file: file.write(text))
-    on_exit(lambda: release(output))
+    on_exit(held.release)
+    return held
 
 
 def _holder(output: Path) -> str:
@@ -58,17 +76,3 @@ def _holder(output: Path) -> str:
         return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "a job that is starting"
-
-
-def release(output: Path) -> None:
-    """The job is over (or ending): its name goes, then folders made only for it that stayed
-    empty, then the lock. Nothing if this process does not hold `output`."""
-    output = output.absolute()
-    if output not in _held:
-        return
-    with contextlib.suppress(OSError):
-        (output / HOLDER).unlink()
-    for folder in _made.pop(output):  # the deepest first
-        with contextlib.suppress(OSError):
-            folder.rmdir()
-    os.close(_held.pop(output))

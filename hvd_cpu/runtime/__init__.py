@@ -7,7 +7,7 @@ collectives in one place (`_backend`); launch.py starts ranks from Python; elast
 runs Horovod's elastic loop. horovod.py holds every direct Horovod call, each as small as it
 can be (starting it, its collectives, its DistributedOptimizer, its launcher, its elastic
 state). collectives.py is the one interface of what ranks exchange; each backend is a subclass
-(Horovod's in horovod.py, MPI's in mpi.py, the job of one in collectives.py): a new backend is
+(Horovod's in horovod.py, MPI's in mpi.py, the job of one in alone.py): a new backend is
 one new subclass, chosen in join.py's `_backend`.
 cores.py gives each rank its share of cores; lifecycle.py signals, exit codes, parent death;
 watchdog.py heartbeats between the ranks, so a rank that stops answering ends the job;

@@ -2,10 +2,12 @@
 of the strategies that average them themselves: training/sync.py): one interface, one object
 per backend, chosen once when a rank joins the job and held by its `World`.
 
-Backends: Horovod's collectives (runtime/horovod.py; under Gloo they are all there is), an
-mpi4py communicator beside Horovod (runtime/mpi.py; from the calling thread, without Horovod's
-background thread) and `Alone`, the job of one (a plain process, a rank preparing alone under
---elastic). A new backend is one new subclass, chosen in runtime/join.py's `_backend`.
+Backends, one module each: Horovod's collectives (runtime/horovod.py; under Gloo they are all
+there is, through shared memory from the calling thread where our build has it), an mpi4py
+communicator beside Horovod (runtime/mpi.py; from the calling thread, without Horovod's
+background thread) and `Alone`, the job of one (runtime/alone.py: a plain process, a rank
+preparing alone under --elastic). A new backend is one new subclass, chosen in
+runtime/join.py's `_backend`.
 """
 
 from __future__ import annotations
@@ -78,27 +80,3 @@ class Collectives(ABC):
             error = str(exc)
         self.agree_on_error(error)
         return value  # type: ignore[return-value]
-
-
-class Alone(Collectives):
-    """The job of one: every collective is this process's own value."""
-
-    in_calling_thread = True
-
-    def sum(self, values: torch.Tensor, name: str) -> torch.Tensor:
-        return values.clone()
-
-    def average_(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        return tensor
-
-    def broadcast_(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        pass
-
-    def broadcast_object(self, obj: Any, name: str) -> Any:
-        return obj
-
-    def gather(self, obj: Any, name: str) -> list[Any]:
-        return [obj]
-
-    def agreed(self, step: Callable[[], T]) -> T:
-        return step()  # nobody to agree with: the error goes up as it is

@@ -8,10 +8,15 @@ from collections.abc import Callable
 from typing import Any
 
 from hvd_cpu.errors import RunFailed
-from hvd_cpu.runtime import horovod, watchdog
+from hvd_cpu.runtime import horovod
 
 
-def run_elastic(state: horovod.ElasticState, body: Callable[[], Any], max_restarts: int) -> Any:
+def run_elastic(
+    state: horovod.ElasticState,
+    body: Callable[[], Any],
+    max_restarts: int,
+    before_reset: Callable[[], None],
+) -> Any:
     """Run `body` until it returns, on whichever ranks there are: when a rank is lost, the
     survivors roll back to the last commit; when ranks join or go, Horovod starts again
     with the new set, every rank takes rank 0's state, and `body` runs again. After more
@@ -28,7 +33,7 @@ def run_elastic(state: horovod.ElasticState, body: Callable[[], Any], max_restar
                 state.sync()
                 return body()
             except horovod.PeerLost as lost:
-                watchdog.stop()
+                before_reset()
                 state.restore()
                 state.failures += 1
                 if state.failures > max_restarts:
@@ -38,7 +43,7 @@ def run_elastic(state: horovod.ElasticState, body: Callable[[], Any], max_restar
                     ) from lost
             except horovod.HostsUpdated:
                 pass
-            watchdog.stop()  # the ranks change: the next pass watches the new ones
+            before_reset()  # the ranks change: the next pass watches the new ones
             horovod.restart()
             state.on_reset()
     finally:

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from hvd_cpu.errors import InputError
-from hvd_cpu.runtime import horovod, watchdog
-from hvd_cpu.runtime.collectives import Alone, Collectives
+from hvd_cpu.runtime import horovod
+from hvd_cpu.runtime.alone import Alone
+from hvd_cpu.runtime.collectives import Collectives
 from hvd_cpu.runtime.cores import default_threads
 from hvd_cpu.runtime.lifecycle import arrange_ending
 from hvd_cpu.runtime.mpi import (
@@ -56,8 +57,8 @@ def init(
     Under an MPI launcher, or on `comm` (an mpi4py communicator of a program of your own),
     Horovod runs its MPI controller; otherwise Gloo's. Without a thread budget every rank
     would start one thread per core, and N ranks on N cores would fight over N x N threads.
-    With `stall_seconds`, a rank silent that long ends the job (runtime/watchdog.py; under
-    --elastic the watch starts in elastic_world).
+    `stall_seconds` (--stall-seconds: the run's watchdog ends a job with a silent rank) puts
+    Gloo's own timeout beyond it.
     """
     arrange_ending()
     if stall_seconds:
@@ -82,10 +83,7 @@ def init(
         os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
         horovod.start()
     transport = "" if under_mpi else horovod.gloo_transport()
-    world = _world(threads, horovod.place().local_size, _backend(comm, transport), transport)
-    if not elastic_launched():
-        watchdog.watch(world.rank, world.size, world.collectives, stall_seconds, elastic=False)
-    return world
+    return _world(threads, horovod.place().local_size, _backend(comm, transport), transport)
 
 
 def _backend(comm: Any, transport: str) -> Collectives:
@@ -126,7 +124,7 @@ def elastic_launched() -> bool:
     return os.environ.get("HOROVOD_ELASTIC") == "1"
 
 
-def elastic_world(threads: int | None, stall_seconds: float) -> World:
+def elastic_world(threads: int | None) -> World:
     """This rank's place after an elastic (re)start, which may have changed it.
 
     Threads are shared out among the ranks on this machine, counted by its hostname: Horovod
@@ -137,9 +135,7 @@ def elastic_world(threads: int | None, stall_seconds: float) -> World:
     transport = horovod.gloo_transport()
     collectives = _backend(None, transport)
     ranks_here = collectives.gather(here, "machine_names").count(here)
-    world = _world(threads, ranks_here, collectives, transport)
-    watchdog.watch(world.rank, world.size, collectives, stall_seconds, elastic=True)
-    return world
+    return _world(threads, ranks_here, collectives, transport)
 
 
 def leave_together(timeout: float = 5.0) -> None:

@@ -37,6 +37,12 @@ def on_exit(undo: Callable[[], None]) -> None:
     _on_exit.append(undo)
 
 
+def off_exit(undo: Callable[[], None]) -> None:
+    """`undo` is done already (its run ended): not again when the process ends."""
+    with contextlib.suppress(ValueError):
+        _on_exit.remove(undo)
+
+
 def _run_on_exit() -> None:
     while _on_exit:
         with contextlib.suppress(Exception):

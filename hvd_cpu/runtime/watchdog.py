@@ -40,7 +40,7 @@ import psutil
 
 from hvd_cpu.lines import say
 from hvd_cpu.runtime.collectives import Collectives
-from hvd_cpu.runtime.lifecycle import ending, exit_now, named_elsewhere_if, on_exit
+from hvd_cpu.runtime.lifecycle import ending, exit_now
 
 # The datagram: the job's token, the sender's rank, the addressee's rank, and what the sender
 # says: a heartbeat, that it leaves normally (stop watching it), or that it has named the
@@ -339,37 +339,3 @@ class Watchdog:
         """Kill a stalled peer on this kernel (SIGKILL ends a stopped process too)."""
         with contextlib.suppress(psutil.Error):
             psutil.Process(self.peers[rank].pid).send_signal(signal.SIGKILL)
-
-
-_current: Watchdog | None = None
-_hooked = False  # stop() is an exit hook of this process
-
-
-def watch(rank: int, size: int, collectives: Collectives, bound: float, elastic: bool) -> None:
-    """Start this rank's watchdog (a collective: every rank calls it), after stopping the one
-    of an earlier membership (--elastic); nothing for a job of one or a bound of 0."""
-    global _current, _hooked
-    stop()
-    if size > 1 and bound > 0:
-        _current = Watchdog(rank, collectives, bound, elastic).start()
-        if not _hooked:
-            _hooked = True
-            on_exit(stop)
-            named_elsewhere_if(
-                lambda: _current is not None and (_current.stood_stopped() or _current.told_named())
-            )
-
-
-def stop() -> None:
-    """Stop watching (the job is done, or --elastic is about to change its ranks)."""
-    global _current
-    if _current is not None:
-        _current.stop()
-        _current = None
-
-
-def explain_lost() -> None:
-    """Before a rank says it lost a peer: if peers fell silent first, end as a stall (the
-    stalled rank named, by the rank that speaks for the others); otherwise return."""
-    if _current is not None:
-        _current.end_as_stall()

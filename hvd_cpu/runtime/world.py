@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from hvd_cpu.runtime.collectives import Alone, Collectives
+from hvd_cpu.runtime.alone import Alone
+from hvd_cpu.runtime.collectives import Collectives
 
 # Horovod's own setting, 0 from a user who wants Gloo's TCP between the ranks of a host too.
 SHARED_MEMORY_SWITCH = "HOROVOD_GLOO_SHARED_MEMORY"

@@ -5,6 +5,8 @@ optimizer and epoch) -> job.py (the epochs and rank 0's writing).
 How the job's ranks come together is its membership (membership.py: `Fixed`, the same ranks
 throughout; elastic.py: `Elastic`, the same job inside Horovod's elastic loop): a new way
 (Spark's tasks) is one new subclass there, chosen in train.py, and nothing else branches on it.
+What a run holds while it runs (its watchdog, its output folder) is scope.py's RunScope, owned
+by the run and let go when it ends.
 
 How the ranks stay in step is sync.py: one GradientSync subclass per strategy (a new strategy
 is one new subclass there, chosen in sync.choose). state.py holds the loop's state and epoch

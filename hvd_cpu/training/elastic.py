@@ -20,6 +20,7 @@ from hvd_cpu.runtime.world import World
 from hvd_cpu.training.job import Job, checkpoint_kept
 from hvd_cpu.training.membership import Membership, Start
 from hvd_cpu.training.prepare import open_output_together
+from hvd_cpu.training.scope import RunScope
 
 
 class Elastic(Membership):
@@ -28,8 +29,11 @@ class Elastic(Membership):
     not wait in a collective the others have long passed. The output is checked, and the
     checkpoint resumed, once the ranks are together (ElasticJob)."""
 
+    def __init__(self, scope: RunScope | None = None) -> None:
+        self.scope = scope or RunScope()  # the run's: it watches each set of ranks
+
     @classmethod
-    def launched(cls) -> Elastic:
+    def launched(cls, scope: RunScope) -> Elastic:
         """The membership of this process, which horovodrun's elastic mode must have started."""
         if not join.elastic_launched():
             raise InputError(
@@ -37,7 +41,7 @@ class Elastic(Membership):
                 "horovodrun --gloo --min-np N --host-discovery-script FILE), or leave out "
                 "--elastic"
             )
-        return cls()
+        return cls(scope)
 
     def start(self, config: TrainConfig, world: World) -> Start:
         # --resume: the checkpoint's fitted features, read by each rank itself (so the
@@ -49,27 +53,29 @@ class Elastic(Membership):
         return held_out > 0  # every rank holds all held-out rows: no collective before the loop
 
     def run(self, job: Job, world: World, resumed: Checkpoint | None) -> None:
-        ElasticJob(job).run()
+        ElasticJob(job, self.scope).run()
 
 
 class ElasticJob:
     """A Job run by Horovod's elastic loop: after a lost rank the survivors roll back to the
     last commit, after ranks came or went every rank goes on from rank 0's."""
 
-    # Set by `sync`, which runs before each pass: this rank's place now, and the job's size
+    # Set by `rejoin`, which runs before each pass: this rank's place now, and the job's size
     # before (for the line that says how it goes on).
     world: World
     before: int
 
-    def __init__(self, job: Job) -> None:
-        self.job = job
+    def __init__(self, job: Job, scope: RunScope) -> None:
+        self.job, self.scope = job, scope
         self.state = horovod.ElasticState(self.capture, self.apply, self.rejoin)
 
     def run(self) -> None:
         """The whole run, or RunFailed after more than --max-restarts lost ranks."""
         job, config = self.job, self.job.config
         try:
-            elastic_loop.run_elastic(self.state, self._run_once, config.max_restarts)
+            elastic_loop.run_elastic(
+                self.state, self._run_once, config.max_restarts, self.scope.stop_watching
+            )
         except RunFailed as failed:
             raise RunFailed(
                 f"{failed}; {checkpoint_kept(config.output, job.saved_epoch)}: "
@@ -90,7 +96,8 @@ class ElasticJob:
         may be gone, and another rank is rank 0 now), then rank 0's state."""
         job = self.job
         self.before = job.trainer.world.size
-        self.world = join.elastic_world(job.config.threads, job.config.stall_seconds)
+        self.world = join.elastic_world(job.config.threads)
+        self.scope.watch(self.world, job.config.stall_seconds, elastic=True)
         job.trainer.resize(self.world)
         job.trainer.take_root_state()
         shared = job.trainer.world.collectives.broadcast_object(
@@ -99,10 +106,10 @@ class ElasticJob:
         job.started, job.saved_epoch = shared
 
     def _run_once(self) -> None:
-        """One pass of the elastic loop, on the ranks `sync` just found."""
+        """One pass of the elastic loop, on the ranks `rejoin` just found."""
         job, state, world, before = self.job, self.state, self.world, self.before
         if not job.started:
-            job.start(world, open_output_together(job.config, world, lock=False))
+            job.start(world, open_output_together(job.config, world, None))
             state.commit()
         else:
             job.write_root(world, partial(self._going_on, world, before))

@@ -21,6 +21,7 @@ from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.output.model_files import Checkpoint
 from hvd_cpu.runtime.world import World
 from hvd_cpu.training.prepare import open_output_together
+from hvd_cpu.training.scope import RunScope
 
 if TYPE_CHECKING:  # job.py's Job runs under a membership; it is not imported for that
     from hvd_cpu.training.job import Job
@@ -51,8 +52,13 @@ class Membership(ABC):
 
 
 class Fixed(Membership):
+    def __init__(self, scope: RunScope | None = None) -> None:
+        self.scope = scope  # the run's: it watches the ranks and holds the output (bench: none)
+
     def start(self, config: TrainConfig, world: World) -> Start:
-        resumed = open_output_together(config, world, lock=True)
+        if self.scope:
+            self.scope.watch(world, config.stall_seconds, elastic=False)
+        resumed = open_output_together(config, world, self.scope)
         fitted = world.collectives.broadcast_object(resumed.features if resumed else None, "fitted")
         return Start(world, resumed, fitted)
 

@@ -30,13 +30,13 @@ from hvd_cpu.data.parquet import Pieces
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.losses import Loss, build_loss, check_loss
 from hvd_cpu.model.networks import build_model
-from hvd_cpu.output import lock as output_lock
 from hvd_cpu.output import tracking
 from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
 from hvd_cpu.runtime.world import World
 
 if TYPE_CHECKING:  # a membership calls back into this module
     from hvd_cpu.training.membership import Membership
+    from hvd_cpu.training.scope import RunScope
 
 
 @dataclass
@@ -54,10 +54,12 @@ class Prepared:
     has_validation: bool  # some rank holds out rows
 
 
-def open_output(config: TrainConfig, world: World, lock: bool = True) -> Checkpoint | None:
+def open_output(
+    config: TrainConfig, world: World, scope: RunScope | None = None
+) -> Checkpoint | None:
     """Rank 0: refuse to overwrite an earlier run's checkpoint, or load it for --resume; check
-    that the tracking asked for can log (only rank 0 logs); with `lock`, hold the folder for
-    this process's run (not under --elastic, whose rank 0 may move to another process)."""
+    that the tracking asked for can log (only rank 0 logs); with the run's `scope`, hold the
+    folder for it (not under --elastic, whose rank 0 may move to another process)."""
     if not world.is_root:
         return None
     tracking.check(config)
@@ -68,8 +70,8 @@ def open_output(config: TrainConfig, world: World, lock: bool = True) -> Checkpo
             f"cannot write to output folder {config.output}: {exc.strerror}; "
             "choose another --output"
         ) from exc
-    if lock:
-        output_lock.hold(config.output)
+    if scope:
+        scope.hold(config.output)
     path = config.output / CHECKPOINT
     if config.resume:
         state = Checkpoint.load(path)
@@ -91,9 +93,11 @@ def open_output(config: TrainConfig, world: World, lock: bool = True) -> Checkpo
     return None
 
 
-def open_output_together(config: TrainConfig, world: World, lock: bool) -> Checkpoint | None:
+def open_output_together(
+    config: TrainConfig, world: World, scope: RunScope | None
+) -> Checkpoint | None:
     """open_output, agreed by every rank (under --elastic, once the ranks are together)."""
-    return world.collectives.agreed(lambda: open_output(config, world, lock))
+    return world.collectives.agreed(lambda: open_output(config, world, scope))
 
 
 def read_rows(config: TrainConfig, world: World) -> tuple[Pieces | InMemory, int, int | None]:

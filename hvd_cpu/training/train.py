@@ -11,12 +11,12 @@ from torch import nn
 
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
-from hvd_cpu.output import lock
-from hvd_cpu.runtime import horovod, join, startup, watchdog
+from hvd_cpu.runtime import horovod, join, startup
 from hvd_cpu.training.elastic import Elastic
 from hvd_cpu.training.job import Job
 from hvd_cpu.training.membership import Fixed
 from hvd_cpu.training.prepare import prepare
+from hvd_cpu.training.scope import RunScope
 from hvd_cpu.training.trainer import build_trainer
 
 
@@ -33,25 +33,25 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
     """Train as configured; call on every rank of the job (a plain process is a job of one,
     the processes of `comm`, an mpi4py communicator, are one job over MPI)."""
     startup.reached("imported")
-    membership = Elastic.launched() if config.elastic else Fixed()
-    world = join.init(config.threads, comm, config.stall_seconds)
-    startup.reached("joined")
-    try:
-        prepared = prepare(config, world, membership)  # rank 0 takes the output folder here
-        trainer = build_trainer(config, world, prepared, prepared.model)
-        startup.reached("prepared")
-        job = Job(config, prepared, trainer)
+    # The run's watch and output folder end with it: the others may finish later (this rank
+    # is not stalled, it is done), and a Python caller's process goes on after the job.
+    with RunScope() as scope:
+        membership = Elastic.launched(scope) if config.elastic else Fixed(scope)
+        world = join.init(config.threads, comm, config.stall_seconds)
+        startup.reached("joined")
         try:
-            membership.run(job, world, prepared.resumed)
-        except BaseException:
-            job.close(failed=True)
+            prepared = prepare(config, world, membership)  # rank 0 takes the output folder
+            trainer = build_trainer(config, world, prepared, prepared.model)
+            startup.reached("prepared")
+            job = Job(config, prepared, trainer)
+            try:
+                membership.run(job, world, prepared.resumed)
+            except BaseException:
+                job.close(failed=True)
+                raise
+        except horovod.PeerLost:
+            # While the watch still runs: a peer that fell silent first is named, by one rank,
+            # and a rank whose collective failed because another named it ends quietly.
+            scope.explain_lost()
             raise
-    except horovod.PeerLost:
-        # While the watch still runs: a peer that fell silent first is named, by one rank,
-        # and a rank whose collective failed because another named it ends quietly.
-        watchdog.explain_lost()
-        raise
-    finally:
-        watchdog.stop()  # the others may finish later; this rank is not stalled, it is done
-        lock.release(config.output)  # a Python caller's process goes on after the job
     return TrainResult(trainer.model, prepared.transform, trainer.state.history)

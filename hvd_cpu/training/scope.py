@@ -1,0 +1,67 @@
+"""What one training run holds while it runs, owned by that run and let go when it ends,
+however it ends: its heartbeats (runtime/watchdog.py) and its output folder (output/lock.py).
+Two runs in a row in one process (a notebook, a test) each start from nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hvd_cpu.output import lock
+from hvd_cpu.output.lock import HeldFolder
+from hvd_cpu.runtime.lifecycle import named_elsewhere_if, off_exit, on_exit
+from hvd_cpu.runtime.watchdog import Watchdog
+from hvd_cpu.runtime.world import World
+
+
+class RunScope:
+    """A context manager: `watch` the ranks, `hold` the output folder; both end with it."""
+
+    def __init__(self) -> None:
+        self.watchdog: Watchdog | None = None
+        self.folder: HeldFolder | None = None
+
+    def __enter__(self) -> RunScope:
+        on_exit(self.close)  # an exit that skips the `with` (exit_now) still lets go
+        # A signal's end is quiet when this rank stood stopped and was named, or another
+        # rank named the stall (lifecycle asks while the run's watch is on).
+        named_elsewhere_if(self._named_elsewhere)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def watch(self, world: World, stall_seconds: float, elastic: bool) -> None:
+        """Start this rank's watchdog (a collective: every rank calls it), after stopping the
+        one over an earlier set of ranks (--elastic); nothing for a job of one or a bound of
+        0."""
+        self.stop_watching()
+        if world.size > 1 and stall_seconds > 0:
+            self.watchdog = Watchdog(world.rank, world.collectives, stall_seconds, elastic).start()
+
+    def stop_watching(self) -> None:
+        """The ranks are about to change (--elastic), or this rank is done: it is not stalled."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+
+    def explain_lost(self) -> None:
+        """Before a rank says it lost a peer: if peers fell silent first, end as a stall (the
+        stalled rank named, by the rank that speaks for the others); otherwise return."""
+        if self.watchdog is not None:
+            self.watchdog.end_as_stall()
+
+    def hold(self, output: Path) -> None:
+        """Rank 0: the output folder is this run's until it ends (output/lock.py)."""
+        if self.folder is None:
+            self.folder = lock.hold(output)
+
+    def close(self) -> None:
+        self.stop_watching()
+        if self.folder is not None:
+            self.folder.release()
+            self.folder = None
+        off_exit(self.close)
+
+    def _named_elsewhere(self) -> bool:
+        watchdog = self.watchdog
+        return watchdog is not None and (watchdog.stood_stopped() or watchdog.told_named())
