@@ -27,7 +27,8 @@ def frame_20k(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(autouse=True)
 def process_state_restored() -> Iterator[None]:
-    """A training in this process (tests/test_predict.py...) sets Horovod's controller in
+    """A run puts back what it changed (training/scope.py; tests/test_prepare.py checks it),
+    but a test that joins without one (join.init itself) sets Horovod's controller in
     os.environ and hvd-cpu's signal handlers; left there, the next test's mpirun would start
     its ranks with HOROVOD_CONTROLLER=gloo and Ctrl-C would end pytest without its report."""
     environment = dict(os.environ)

@@ -1,10 +1,14 @@
 """Everything before the first step, on a rank of its own (the job of one's collectives, no
-launcher): what prepare hands the loop, the output checks, and --elastic's preparing alone.
+launcher): what prepare hands the loop, the output checks, --elastic's preparing alone, and a
+run that leaves its process as it found it.
 How ranks agree on bad input is tests/test_collectives.py's and, in whole jobs,
 tests/test_bad_input.py's."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +17,7 @@ import torch
 
 from hvd_cpu.config.options import DEMO_FEATURES, DEMO_ROWS, TrainConfig
 from hvd_cpu.errors import InputError
+from hvd_cpu.output.lock import HOLDER
 from hvd_cpu.output.model_files import CHECKPOINT
 from hvd_cpu.runtime.alone import Alone
 from hvd_cpu.runtime.world import World
@@ -72,3 +77,22 @@ def test_an_output_that_cannot_be_made_leaves_no_folder_behind(tmp_path: Path) -
     with pytest.raises(InputError, match="File name too long; choose another --output"):
         open_output(too_long, ONE)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_a_run_in_a_process_that_goes_on_puts_back_what_it_changed(tmp_path: Path) -> None:
+    """training/scope.py: the signal handlers, the wakeup fd, Horovod's environment, the
+    heartbeat and exit-on-signal threads and the output folder's lock are the run's, so a
+    second run in the same process (a notebook's) starts as the first did."""
+    from hvd_cpu.training.train import train
+
+    def process_state() -> tuple:
+        wakeup = signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(wakeup)
+        handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+        return handlers, wakeup, dict(os.environ), sorted(t.name for t in threading.enumerate())
+
+    before = process_state()
+    for name in ("first", "second"):
+        train(TrainConfig(output=tmp_path / name, epochs=1, quiet=True))
+        assert process_state() == before, name
+        assert not (tmp_path / name / HOLDER).exists()  # the folder is free for the next job

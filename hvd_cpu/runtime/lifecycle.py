@@ -19,7 +19,8 @@ from hvd_cpu.lines import say
 # Environment variables through which launchers tell a process its rank before init.
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-_quiet = False  # exit_quietly_on_signals has run
+# What exit_quietly_on_signals changed, to put back (quiet_signals_off); None: nothing yet.
+_quiet: Callable[[], None] | None = None
 _ending = False  # exit_now has begun: a signal from now on changes nothing
 _exit_lock = threading.Lock()
 _on_exit: list[Callable[[], None]] = []  # run however the process ends, but by SIGKILL
@@ -92,16 +93,24 @@ def exit_quietly_on_signals() -> None:
     global _quiet
     if _quiet:
         return
-    _quiet = True
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
-    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: None)
+    wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    handlers = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def put_back() -> None:
+        signal.set_wakeup_fd(wakeup)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        os.write(write_end, b"\0")  # no signal's number: the thread goes
+        os.close(write_end)
+        waiting.join()
 
     def exit_on_signal() -> None:
         while (signum := os.read(read_end, 1)[0]) not in (signal.SIGTERM, signal.SIGINT):
-            pass
+            if signum == 0:
+                os.close(read_end)
+                return
         if _ending:
             return  # the main thread is already ending the process, with its own line and code
         if _named_elsewhere():
@@ -111,7 +120,18 @@ def exit_quietly_on_signals() -> None:
             say(f"hvd-cpu: {who}stopped by {signal.Signals(signum).name}", sys.stderr)
         exit_now(128 + signum)
 
-    threading.Thread(target=exit_on_signal, name="exit-on-signal", daemon=True).start()
+    waiting = threading.Thread(target=exit_on_signal, name="exit-on-signal", daemon=True)
+    waiting.start()
+    _quiet = put_back
+
+
+def quiet_signals_off() -> None:
+    """Give the signals back as they were before exit_quietly_on_signals (a run in a process
+    that goes on after it: a notebook's, a test's, a user's own MPI program's)."""
+    global _quiet
+    if _quiet is not None and not _ending:
+        _quiet()
+        _quiet = None
 
 
 def exit_now(code: int) -> None:

@@ -1,14 +1,17 @@
 """What one training run holds while it runs, owned by that run and let go when it ends,
-however it ends: its heartbeats (runtime/watchdog.py) and its output folder (output/lock.py).
-Two runs in a row in one process (a notebook, a test) each start from nothing."""
+however it ends: its heartbeats (runtime/watchdog.py) and its output folder (output/lock.py);
+in a process that goes on after the run, also the signal handling and Horovod's environment
+that joining set (runtime/lifecycle.py, runtime/join.py). Two runs in a row in one process (a
+notebook, a test, a user's MPI program) each start from nothing."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from hvd_cpu.output import lock
 from hvd_cpu.output.lock import HeldFolder
-from hvd_cpu.runtime.lifecycle import named_elsewhere_if, off_exit, on_exit
+from hvd_cpu.runtime.lifecycle import named_elsewhere_if, off_exit, on_exit, quiet_signals_off
 from hvd_cpu.runtime.watchdog import Watchdog
 from hvd_cpu.runtime.world import World
 
@@ -16,9 +19,12 @@ from hvd_cpu.runtime.world import World
 class RunScope:
     """A context manager: `watch` the ranks, `hold` the output folder; both end with it."""
 
-    def __init__(self) -> None:
+    def __init__(self, process_goes_on: bool = False) -> None:
         self.watchdog: Watchdog | None = None
         self.folder: HeldFolder | None = None
+        # A launched rank's process ends with its run, and its quiet end on a launcher's
+        # SIGTERM must outlast the run (the error line, leaving together).
+        self.environ = dict(os.environ) if process_goes_on else None
 
     def __enter__(self) -> RunScope:
         on_exit(self.close)  # an exit that skips the `with` (exit_now) still lets go
@@ -60,6 +66,12 @@ class RunScope:
         if self.folder is not None:
             self.folder.release()
             self.folder = None
+        if self.environ is not None:
+            quiet_signals_off()
+            for name in set(os.environ) - set(self.environ):
+                del os.environ[name]
+            os.environ.update(self.environ)
+            self.environ = None
         off_exit(self.close)
 
     def _named_elsewhere(self) -> bool:

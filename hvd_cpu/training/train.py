@@ -12,6 +12,7 @@ from torch import nn
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.runtime import horovod, join, startup
+from hvd_cpu.runtime.lifecycle import launch_rank_known
 from hvd_cpu.training.elastic import Elastic
 from hvd_cpu.training.job import Job
 from hvd_cpu.training.membership import Fixed
@@ -35,7 +36,7 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
     startup.reached("imported")
     # The run's watch and output folder end with it: the others may finish later (this rank
     # is not stalled, it is done), and a Python caller's process goes on after the job.
-    with RunScope() as scope:
+    with RunScope(process_goes_on=comm is not None or not launch_rank_known()) as scope:
         membership = Elastic.launched(scope) if config.elastic else Fixed(scope)
         world = join.init(config.threads, comm, config.stall_seconds)
         startup.reached("joined")
