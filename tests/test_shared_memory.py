@@ -43,6 +43,33 @@ def test_horovods_collectives_through_shared_memory_give_the_rank_order_sums(np:
     assert said == [f"shared memory ok {rank} {np}" for rank in range(np)]
 
 
+PEER_GONE = """
+import os, time
+import horovod.torch as hvd
+import torch
+hvd.init()
+hvd.direct_allreduce_(torch.zeros(3))
+if hvd.rank() == 1:
+    os._exit(0)  # gone without a word (nor a failure for the launcher to end the job on)
+time.sleep(2)  # Horovod's background loop meets the loss in its own cycle and shuts down
+try:
+    hvd.direct_allreduce_(torch.zeros(3))
+except hvd.HorovodInternalError as lost:
+    print("lost peer:", str(lost).split(".")[0], flush=True)
+"""
+
+
+def test_a_peer_gone_before_a_direct_allreduce_is_horovods_lost_peer_error() -> None:
+    """Once Horovod's background loop has shut down over a lost peer, the direct allreduce
+    raises HorovodInternalError (PeerLost to hvd-cpu), as Horovod's own collectives do, and not
+    a ValueError that would end the rank with a traceback (seen with --elastic and across
+    hosts in CI)."""
+    command = horovodrun_command(2, program=(str(BIN / "python"), "-c", PEER_GONE))
+    job = run(command, timeout=120)
+    said = [text for rank, text in job.rank_lines() if rank == 0 and "lost peer" in text]
+    assert said == ["lost peer: Horovod has been shut down"], job.stdout + job.stderr
+
+
 def training(data: Path, output: Path, epochs: int = 2) -> list[str]:
     """The command line of a 2-rank Gloo job."""
     train = ["train", "--data", str(data), "--epochs", str(epochs), "--output", str(output)]
