@@ -88,8 +88,9 @@ def fit(
     where gradients are averaged by one MPI allreduce per step: the fastest here, README).
     With `comm`, an mpi4py communicator of your own program, nothing is launched: every
     process of `comm` calls fit and trains as one rank of it (np, hosts and controller unused).
-    Raises InputError for bad input, with the same message the command line prints, and
-    KeyboardInterrupt when interrupted, once every rank has stopped.
+    Raises InputError for bad input, with the same message the command line prints; the
+    exception a rank's code raised when one fails (your model's, say), its cause that rank's
+    traceback; and KeyboardInterrupt when interrupted, once every rank has stopped.
     """
     if not isinstance(data, (pd.DataFrame, str, Path)):
         raise InputError(

@@ -53,7 +53,7 @@ def main() -> None:
     expect_error(c, lambda: fail_on({1}), f"on rank 1 ({host}): bad input on 1")
     expect_error(c, lambda: fail_on({0, 1}), "bad input on 0")  # everywhere: as rank 0 saw it
     assert c.agreed(lambda: rank * 2) == rank * 2
-    say(f"collectives ok {rank} {type(c).__name__}")
+    say(f"collectives ok {rank} {type(c.backend).__name__}")
 
 
 if __name__ == "__main__":

@@ -283,7 +283,8 @@ class TrainConfig:
     stall_seconds: float = option(
         60.0,
         help="End the job when a rank has not answered for this long (stopped, swapping, cut "
-        f"off); under --elastic drop it as lost. At least {MIN_STALL_SECONDS:g}; 0: wait forever.",
+        "off), or has not moved on while the others wait for it (stuck in its code); under "
+        f"--elastic drop it as lost. At least {MIN_STALL_SECONDS:g}; 0: wait forever.",
         type=click.FloatRange(min=0),
     )
     # what is shown

@@ -32,6 +32,13 @@ class Collectives(ABC):
     # Whether a collective runs in the calling thread, at once (what --allreduce direct needs),
     # rather than on a background thread.
     in_calling_thread = False
+    # How many collectives this rank has entered, where they are counted (`Counted`).
+    entered = 0
+
+    def entering(self) -> None:
+        """Count a wait for the other ranks made outside these methods (Horovod's optimizer
+        step)."""
+        self.entered += 1
 
     @abstractmethod
     def sum(self, values: torch.Tensor, name: str) -> torch.Tensor:
@@ -80,3 +87,35 @@ class Collectives(ABC):
             error = str(exc)
         self.agree_on_error(error)
         return value  # type: ignore[return-value]
+
+
+class Counted(Collectives):
+    """Another backend's collectives, counted as this rank enters them: how far the rank has
+    come. Every rank enters the same collectives in the same order, so a rank whose count is
+    behind the others' is the one they wait for (runtime/watchdog.py names it if it does not
+    move on)."""
+
+    def __init__(self, backend: Collectives) -> None:
+        self.backend = backend
+        self.in_calling_thread = backend.in_calling_thread
+        self.entered = 0
+
+    def sum(self, values: torch.Tensor, name: str) -> torch.Tensor:
+        self.entered += 1
+        return self.backend.sum(values, name)
+
+    def average_(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        self.entered += 1
+        return self.backend.average_(tensor, name)
+
+    def broadcast_(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.entered += 1
+        self.backend.broadcast_(tensors)
+
+    def broadcast_object(self, obj: Any, name: str) -> Any:
+        self.entered += 1
+        return self.backend.broadcast_object(obj, name)
+
+    def gather(self, obj: Any, name: str) -> list[Any]:
+        self.entered += 1
+        return self.backend.gather(obj, name)

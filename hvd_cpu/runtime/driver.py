@@ -32,6 +32,7 @@ import cloudpickle
 import psutil
 
 from hvd_cpu.errors import InputError, RunFailed
+from hvd_cpu.runtime.failure import FAILURES, failure_left_in
 from hvd_cpu.runtime.lifecycle import end_with_parent
 
 # Seconds the driver gets to stop its ranks after an interrupt before they are killed.
@@ -49,8 +50,9 @@ def run(
     watch: Callable[[], None] | None = None,
 ) -> list[Any]:
     """`func(*args)` on `np` new ranks (launch.launch, in a child process); every rank's
-    result in rank order. Bad input raises InputError with the ranks' message, a failed
-    rank RunFailed, an interrupt KeyboardInterrupt once every rank is gone."""
+    result in rank order. Bad input raises InputError with the ranks' message, a rank that
+    failed its exception (runtime/failure.py; else RunFailed), an interrupt
+    KeyboardInterrupt once every rank is gone."""
     with tempfile.TemporaryDirectory(prefix="hvd-cpu-driver-") as folder:
         job, outcome = Path(folder) / "job.pkl", Path(folder) / "outcome.pkl"
         job.write_bytes(cloudpickle.dumps((func, args, np, hosts, controller)))
@@ -59,7 +61,8 @@ def run(
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # A rank that fails leaves its exception in the folder (runtime/failure.py).
+            env={**os.environ, "PYTHONUNBUFFERED": "1", FAILURES: folder},
             start_new_session=True,  # a terminal's Ctrl-C reaches the caller only
         ) as process:
             try:
@@ -67,6 +70,9 @@ def run(
             except BaseException:  # KeyboardInterrupt above all: no rank outlives the caller
                 _stop(process)
                 raise
+        failed = failure_left_in(Path(folder))
+        if failed is not None:
+            raise failed  # the exception a rank raised, caused by its traceback there
         if not outcome.exists():
             raise RunFailed(f"the launcher ended with exit code {process.returncode}; see above")
         kind, value = cloudpickle.loads(outcome.read_bytes())

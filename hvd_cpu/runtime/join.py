@@ -21,7 +21,7 @@ import torch
 from hvd_cpu.errors import InputError
 from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.alone import Alone
-from hvd_cpu.runtime.collectives import Collectives
+from hvd_cpu.runtime.collectives import Collectives, Counted
 from hvd_cpu.runtime.cores import default_threads
 from hvd_cpu.runtime.lifecycle import arrange_ending
 from hvd_cpu.runtime.mpi import (
@@ -90,14 +90,15 @@ def _backend(comm: Any, transport: str) -> Collectives:
     """The backend of the job's collectives, the one place that chooses it: a job of one
     exchanges nothing (each collective through Horovod's background thread would cost a
     hand-over to it and back, and a fit makes dozens); under MPI our own communicator's; under
-    Gloo through shared memory Horovod's with its direct allreduce; else Horovod's."""
+    Gloo through shared memory Horovod's with its direct allreduce; else Horovod's. Each is
+    counted (how far the rank has come, which its heartbeats carry)."""
     if horovod.place().size == 1:
         return Alone()
     if horovod.controller() == "mpi":
-        return MpiCollectives(comm.Dup())
+        return Counted(MpiCollectives(comm.Dup()))
     if transport == SHARED_MEMORY:
-        return horovod.SharedMemoryCollectives()
-    return horovod.HorovodCollectives()
+        return Counted(horovod.SharedMemoryCollectives())
+    return Counted(horovod.HorovodCollectives())
 
 
 def _world(threads: int | None, ranks_here: int, collectives: Collectives, transport: str) -> World:

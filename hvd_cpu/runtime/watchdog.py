@@ -1,7 +1,9 @@
 """A rank that stops answering without dying (stopped by a debugger or SIGSTOP, swapping to
-death, cut off by a network that drops packets while its TCP connections stay open) ends the
-job within `--stall-seconds`, with one line naming it; under --elastic it is dropped as a
-lost rank.
+death, cut off by a network that drops packets while its TCP connections stay open), or whose
+training makes no progress while the others wait for it (its main thread deadlocked in the
+user's code, a read that never returns), ends the job within `--stall-seconds`, with one line
+naming it; under --elastic it is dropped as a lost rank. A rank that fails on its own
+(training/failure.py) tells the others here, and they end at once, quietly.
 
 Why heartbeats and not timeouts on the collectives: MPI has none, Horovod's stall inspector
 only warns by default and sees only Horovod's own collectives, and a collective that waits
@@ -15,6 +17,12 @@ a daemon thread, and watches the others' datagrams:
   silent ones says so in one line and, if the silent process is on this machine's kernel,
   kills it (its launcher kills it otherwise); every rank that sees the silence exits with 1.
   Under --elastic the silent rank is killed, and the others go on without it.
+
+A live thread is not progress, so each heartbeat also carries how many collectives its rank
+has entered (runtime/collectives.py's Counted). A rank behind the others is the one they
+wait for: they have entered a collective it has not reached. Behind without moving on for the
+bound, it is stalled as a silent one is (killed on this kernel under --elastic). A rank whose
+own work (rank 0 writing a checkpoint) outlasts the bound needs a larger --stall-seconds.
 
 A peer is watched only once its first heartbeat has arrived: a network that blocks UDP
 between hosts turns the watch off for that peer (with one line) instead of ending healthy
@@ -42,11 +50,14 @@ from hvd_cpu.lines import say
 from hvd_cpu.runtime.collectives import Collectives
 from hvd_cpu.runtime.lifecycle import ending, exit_now
 
-# The datagram: the job's token, the sender's rank, the addressee's rank, and what the sender
-# says: a heartbeat, that it leaves normally (stop watching it), or that it has named the
-# stall that ends the job (the others end without a word).
-DATAGRAM = struct.Struct("!16sIIB")
-BEAT, LEAVING, NAMED = 0, 1, 2
+# The datagram: the job's token, the sender's rank, the addressee's rank, what the sender says
+# and how many collectives it has entered. It says: a heartbeat, that it leaves normally (stop
+# watching it), that it has named the stall that ends the job, or that it failed and has said
+# so (both: the others end without a word; under --elastic the failed one is a lost rank).
+DATAGRAM = struct.Struct("!16sIIBQ")
+BEAT, LEAVING, NAMED, FAILED = 0, 1, 2, 3
+# Times a rank that fails sends it: a datagram may be lost between hosts.
+FAILED_SENDS = 3
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 # Seconds the ranks that see a stall but do not report it wait before they exit too (the
 # launcher usually ends them first, when the reporting rank exits).
@@ -99,6 +110,7 @@ class Watchdog:
 
     def __init__(self, rank: int, collectives: Collectives, bound: float, elastic: bool) -> None:
         self.rank, self.bound, self.elastic = rank, bound, elastic
+        self.collectives = collectives  # how far this rank has come: its collectives entered
         self.interval = min(1.0, bound / 10)
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.socket.bind(("0.0.0.0", 0))
@@ -116,8 +128,10 @@ class Watchdog:
         now = time.monotonic()
         self.started = self.last_tick = now
         self.heard: dict[int, float] = {}  # peer: when last heard (watched from the first)
-        self.gone: set[int] = set()  # peers that left normally
-        self.named_by: int | None = None  # the peer that named the stall ending the job
+        self.entered: dict[int, int] = {}  # peer: the collectives it had entered, last heard
+        self.behind_since: dict[int, float] = {}  # peer: behind the others, not moving, since
+        self.gone: set[int] = set()  # peers that left normally (or failed, under --elastic)
+        self.named_by: int | None = None  # the peer that said why the job ends
         self.warned: set[int] = set()
         self.unheard_said = False
         self.stop_event = threading.Event()
@@ -137,6 +151,13 @@ class Watchdog:
         self.stop_event.set()
         self._send(LEAVING)
 
+    def tell_failed(self) -> None:
+        """This rank failed and has said so: the others end at once without a word (under
+        --elastic they go on without it). Never waits."""
+        for _ in range(FAILED_SENDS):
+            self._send(FAILED)
+        self.stop_event.set()
+
     # The thread
 
     def _run(self) -> None:
@@ -148,6 +169,7 @@ class Watchdog:
                 # that ends it): the others' silence is its own, not theirs.
                 self.resumed = True
                 self.heard = dict.fromkeys(self.heard, now)
+                self.behind_since.clear()
                 self.warned.clear()
             self.last_tick = now
             if now >= next_beat:
@@ -166,8 +188,9 @@ class Watchdog:
         return self.resumed or self._was_stopped(time.monotonic())
 
     def told_named(self) -> bool:
-        """Whether another rank has named the stall that ends this job (reading what has
-        arrived: a failed collective may get here before this rank's thread has)."""
+        """Whether another rank has said why this job ends (a stall it named, or its own
+        failure), reading what has arrived: a failed collective may get here before this
+        rank's thread has."""
         self._receive()
         return self.named_by is not None
 
@@ -176,8 +199,9 @@ class Watchdog:
         return now - self.last_tick > max(3 * self.interval, self.bound / 4)
 
     def _send(self, what: int) -> None:
+        entered = self.collectives.entered
         for rank, peer in self.peers.items():
-            datagram = DATAGRAM.pack(self.token, self.rank, rank, what)
+            datagram = DATAGRAM.pack(self.token, self.rank, rank, what, entered)
             for address in peer.addresses:
                 with contextlib.suppress(OSError):  # unreachable from here: another one is
                     self.socket.sendto(datagram, (address, peer.port))
@@ -193,17 +217,30 @@ class Watchdog:
                 if len(data) == DATAGRAM.size:
                     self._take(*DATAGRAM.unpack(data))
 
-    def _take(self, token: bytes, sender: int, addressee: int, what: int) -> None:
+    def _take(self, token: bytes, sender: int, addressee: int, what: int, entered: int) -> None:
         if token != self.token or addressee != self.rank or sender not in self.peers:
             return
         if what == BEAT:
             if sender not in self.gone:
                 self.heard[sender] = time.monotonic()
+                if self.entered.get(sender) != entered:
+                    self.entered[sender] = entered
+                    self.behind_since.pop(sender, None)  # it moved on
             return
-        self.gone.add(sender)
-        self.heard.pop(sender, None)
-        if what == NAMED:
+        self._forget(sender)
+        if what == NAMED or (what == FAILED and not self.elastic):
+            # The job ends, and the rank that said why has said it: end now, whatever this
+            # rank's main thread is stuck in (MPI's collectives have no timeout).
             self.named_by = sender
+            if not ending():
+                exit_now(1)
+
+    def _forget(self, peer: int) -> None:
+        """`peer` is gone: left, failed (--elastic) or dropped; watch it no more."""
+        self.gone.add(peer)
+        self.heard.pop(peer, None)
+        self.entered.pop(peer, None)
+        self.behind_since.pop(peer, None)
 
     def _check(self, now: float) -> None:
         unheard = set(self.peers) - set(self.heard) - self.gone
@@ -218,41 +255,57 @@ class Watchdog:
                     "will not be noticed"
                 )
         silence = {p: now - last for p, last in self.heard.items()}
-        for peer, seconds in sorted(silence.items()):
+        stuck = self._stuck(now)
+        lag = {p: max(silence[p], stuck.get(p, 0.0)) for p in silence}
+        for peer, seconds in sorted(lag.items()):
             if seconds >= self.bound / 4 and peer not in self.warned and seconds < self.bound:
                 self.warned.add(peer)
                 # A peer whose process has ended is a lost rank, not a stall: its collective
                 # fails (at the latest after Gloo's timeout) and the job ends or goes on.
-                if self._reporter(silence) and self._fate(peer) != GONE:
+                if self._reporter(lag) and self._fate(peer) != GONE:
+                    how, state = (("answered", "silent"), ("moved on", "stuck"))[peer in stuck]
+                    waiting = " while the others wait for it" if peer in stuck else ""
                     say(
                         f"hvd-cpu: rank {self.rank}: {self.peers[peer].describe(peer)} has not "
-                        f"answered for {seconds:.1f} s; the job ends if it stays silent for "
-                        f"{self.bound:g} s (--stall-seconds)"
+                        f"{how} for {seconds:.1f} s{waiting}; the job ends if it stays {state} "
+                        f"for {self.bound:g} s (--stall-seconds)"
                     )
-        stalled = sorted(p for p, seconds in silence.items() if seconds >= self.bound)
+        stalled = sorted(p for p, seconds in lag.items() if seconds >= self.bound)
         if stalled:
-            self._end(stalled, silence)
+            self._end(stalled, lag, stuck)
 
-    def _reporter(self, silence: dict[int, float]) -> bool:
-        """Whether this rank is the lowest of those still heard (the one that speaks)."""
-        quiet = {p for p, seconds in silence.items() if seconds >= self.bound / 4}
+    def _stuck(self, now: float) -> dict[int, float]:
+        """Seconds each peer has been behind the others without moving on (they wait for it)."""
+        entered = {**self.entered, self.rank: self.collectives.entered}
+        furthest = max(entered.values())
+        for peer, count in self.entered.items():
+            if count < furthest:
+                self.behind_since.setdefault(peer, now)
+            else:
+                self.behind_since.pop(peer, None)
+        return {p: now - since for p, since in self.behind_since.items()}
+
+    def _reporter(self, lag: dict[int, float]) -> bool:
+        """Whether this rank is the lowest of those that still answer and move on (the one
+        that speaks)."""
+        quiet = {p for p, seconds in lag.items() if seconds >= self.bound / 4}
         return all(p > self.rank for p in self.peers if p not in quiet and p not in self.gone)
 
-    def _end(self, stalled: list[int], silence: dict[int, float]) -> None:
+    def _end(self, stalled: list[int], lag: dict[int, float], stuck: dict[int, float]) -> None:
         with self.ending:  # the thread and a failed collective may both get here: one speaks
-            self._end_once(stalled, silence)
+            self._end_once(stalled, lag, stuck)
 
-    def _end_once(self, stalled: list[int], silence: dict[int, float]) -> None:
-        reporter = self._reporter(silence)
+    def _end_once(self, stalled: list[int], lag: dict[int, float], stuck: dict[int, float]) -> None:
+        reporter = self._reporter(lag)
         fates = {p: self._fate(p) for p in stalled}
         if self.elastic and ELSEWHERE not in fates.values():
-            self._drop(stalled, fates, reporter)
+            self._drop(stalled, fates, reporter, stuck)
             return
         # Otherwise this rank's exit ends the job, and the launcher kills the rest, the stopped
         # one included, with this rank's exit code.
         said = "; ".join(
             f"{self.peers[p].describe(p)} "
-            + ("ended without a word (killed?)" if fates[p] == GONE else self._why())
+            + ("ended without a word (killed?)" if fates[p] == GONE else self._why(p in stuck))
             for p in stalled
         )
         elsewhere = (
@@ -267,16 +320,22 @@ class Watchdog:
             time.sleep(REPORTER_LEAD)
         if not ending() and not self.told_named():
             # Not told to end meanwhile (by the launcher ending the job, or by a rank that
-            # named the stall): say why the job ends, and tell the others it is said.
-            self._send(NAMED)
+            # named the stall): say why the job ends, then tell the others it is said (they
+            # end at once, the stalled one too, whatever its main thread is stuck in).
             say(
                 f"hvd-cpu: rank {self.rank}: {said}; ending the job{elsewhere} "
                 f"(--stall-seconds {self.bound:g}); run the same command with --resume to go "
                 "on from the last checkpoint"
             )
+            self._send(NAMED)
         exit_now(1)
 
-    def _why(self) -> str:
+    def _why(self, stuck: bool) -> str:
+        if stuck:
+            return (
+                f"has not moved on for {self.bound:g} s while the others wait for it (its "
+                "training is stuck: a deadlock in its code, a read that never returns)"
+            )
         return (
             f"has not answered for {self.bound:g} s (stopped by a signal or a debugger, "
             "swapping, or cut off from the network)"
@@ -293,31 +352,41 @@ class Watchdog:
             if seconds >= self.bound / 4 and self._fate(p) != GONE
         )  # a peer gone is the lost rank the caller names
         if self.told_named():
-            exit_now(1)  # another rank named the stall, and its exit failed the collective
+            exit_now(1)  # another rank said why the job ends, and its exit failed the collective
         if stalled and not self._was_stopped(now):
-            self._end(stalled, silence)
+            self._end(stalled, silence, {})
 
-    def _drop(self, stalled: list[int], fates: dict[int, str], reporter: bool) -> None:
+    def _drop(
+        self,
+        stalled: list[int],
+        fates: dict[int, str],
+        reporter: bool,
+        stuck: dict[int, float],
+    ) -> None:
         """--elastic: kill the stalled ranks here that stand stopped (or in the kernel's wait:
-        swapping), and the others go on without them as without a killed rank. One already
-        gone is Horovod's lost rank; one that runs is not killed (during elastic's reset a
-        rank's heartbeat may pause): it is watched again from now."""
+        swapping) or stuck, and the others go on without them as without a killed rank. One
+        already gone is Horovod's lost rank; a silent one that runs is not killed (during
+        elastic's reset a rank's heartbeat may pause): it is watched again from now."""
         now = time.monotonic()
+
+        def killable(peer: int) -> bool:
+            fate = self._fate(peer)
+            return fate == STOPPED_HERE or (fate == RUNNING_HERE and peer in stuck)
+
         for peer in stalled:
-            if fates[peer] == RUNNING_HERE:
+            if not killable(peer) and fates[peer] == RUNNING_HERE:
                 self.heard[peer] = now
             else:
-                self.heard.pop(peer, None)
-                self.gone.add(peer)
-        stopped = [p for p in stalled if fates[p] == STOPPED_HERE]
-        if stopped and not reporter:
+                self._forget(peer)
+        ended = [p for p in stalled if killable(p)]
+        if ended and not reporter:
             time.sleep(REPORTER_LEAD)  # the rank that speaks kills them; if it could not
-            stopped = [p for p in stopped if self._fate(p) == STOPPED_HERE]
-        for peer in stopped:
+            ended = [p for p in ended if killable(p)]
+        for peer in ended:
             self._kill(peer)
-        if stopped:
-            names = ", ".join(self.peers[p].describe(p) for p in stopped)
-            say(f"hvd-cpu: rank {self.rank}: {names} {self._why()}; dropped as a lost rank")
+        if ended:
+            names = "; ".join(f"{self.peers[p].describe(p)} {self._why(p in stuck)}" for p in ended)
+            say(f"hvd-cpu: rank {self.rank}: {names}; dropped as a lost rank")
 
     def _fate(self, rank: int) -> str:
         """What became of a silent peer, as far as this rank can see."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from hvd_cpu.config.options import TrainConfig
@@ -54,6 +55,9 @@ class Elastic(Membership):
 
     def run(self, job: Job, world: World, resumed: Checkpoint | None) -> None:
         ElasticJob(job, self.scope).run()
+
+    def after_failure(self, output: Path, job: Job | None) -> str:
+        return "the others go on without it (--elastic; --max-restarts bounds how often)"
 
 
 class ElasticJob:

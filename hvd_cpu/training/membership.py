@@ -13,18 +13,17 @@ A new way (Spark's tasks) is one new subclass, chosen in train.py.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.output.model_files import Checkpoint
 from hvd_cpu.runtime.world import World
+from hvd_cpu.training.job import Job, checkpoint_kept
 from hvd_cpu.training.prepare import open_output_together
 from hvd_cpu.training.scope import RunScope
-
-if TYPE_CHECKING:  # job.py's Job runs under a membership; it is not imported for that
-    from hvd_cpu.training.job import Job
 
 
 class Start(NamedTuple):
@@ -50,6 +49,11 @@ class Membership(ABC):
     def run(self, job: Job, world: World, resumed: Checkpoint | None) -> None:
         """The job's epochs, from `resumed` (rank 0's), to its end."""
 
+    @abstractmethod
+    def after_failure(self, output: Path, job: Job | None) -> str:
+        """What becomes of the job when one of its ranks fails on its own (said by that rank,
+        runtime/failure.py), and what the user does next."""
+
 
 class Fixed(Membership):
     def __init__(self, scope: RunScope | None = None) -> None:
@@ -68,3 +72,8 @@ class Fixed(Membership):
     def run(self, job: Job, world: World, resumed: Checkpoint | None) -> None:
         job.start(world, resumed)
         job.run(world)
+
+    def after_failure(self, output: Path, job: Job | None) -> str:
+        saved = job.saved_epoch if job else None
+        then = "run the same command with --resume to go on from there" if saved else "run it again"
+        return f"the job ends; {checkpoint_kept(output, saved)}: fix it, then {then}"

@@ -1,5 +1,6 @@
 """What one training run holds while it runs, owned by that run and let go when it ends,
-however it ends: its heartbeats (runtime/watchdog.py) and its output folder (output/lock.py);
+however it ends: its heartbeats (runtime/watchdog.py, which also tell the others when this
+rank fails: runtime/failure.py) and its output folder (output/lock.py);
 in a process that goes on after the run, also the signal handling and Horovod's environment
 that joining set (runtime/lifecycle.py, runtime/join.py). Two runs in a row in one process (a
 notebook, a test, a user's MPI program) each start from nothing."""
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from hvd_cpu.output import lock
 from hvd_cpu.output.lock import HeldFolder
+from hvd_cpu.runtime import failure
 from hvd_cpu.runtime.lifecycle import named_elsewhere_if, off_exit, on_exit, quiet_signals_off
 from hvd_cpu.runtime.watchdog import Watchdog
 from hvd_cpu.runtime.world import World
@@ -22,6 +24,7 @@ class RunScope:
     def __init__(self, process_goes_on: bool = False) -> None:
         self.watchdog: Watchdog | None = None
         self.folder: HeldFolder | None = None
+        self.process_goes_on = process_goes_on
         # A launched rank's process ends with its run, and its quiet end on a launcher's
         # SIGTERM must outlast the run (the error line, leaving together).
         self.environ = dict(os.environ) if process_goes_on else None
@@ -55,6 +58,13 @@ class RunScope:
         stalled rank named, by the rank that speaks for the others); otherwise return."""
         if self.watchdog is not None:
             self.watchdog.end_as_stall()
+
+    def fail(self, exc: BaseException, rank: int, then: str) -> None:
+        """This rank failed on its own (runtime/failure.py): say so, tell the others, and end
+        the process; one that goes on after the run has `exc` raised instead."""
+        watchdog = self.watchdog
+        tell = watchdog.tell_failed if watchdog else lambda: None
+        failure.fail(exc, rank, then, tell, self.process_goes_on)
 
     def hold(self, output: Path) -> None:
         """Rank 0: the output folder is this run's until it ends (output/lock.py)."""

@@ -65,9 +65,18 @@ class GradientSync(ABC):
     # What the run's summary says the ranks did to stay in step; `why` says why (if chosen).
     what = "gradients averaged by hvd.DistributedOptimizer"
 
+    # The strategies that average by themselves do it over these (Horovod's optimizer: None).
+    collectives: Collectives | None = None
+
     def __init__(self, optimizer: Any, why: str = "") -> None:
         self.optimizer = optimizer  # what is stepped, checkpointed and broadcast
         self.why = why
+
+    def resize(self, world: World) -> None:
+        """--elastic: average over the ranks there are now (a job of one, alone: over the
+        old ranks' collectives it would wait for ranks that are gone)."""
+        if self.collectives is not None:
+            self.collectives = world.collectives
 
     @property
     def described(self) -> str:

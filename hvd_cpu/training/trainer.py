@@ -75,6 +75,7 @@ class Trainer:
         self.batches.sampler.reshard(world.rank, world.size)
         if self.validation:
             self.validation.reshard(world.rank, world.size)
+        self.gradient_sync.resize(world)
         self._schedule_for(world)
 
     def lr(self) -> float:
@@ -94,6 +95,7 @@ class Trainer:
         out = self.model(x)
         loss = self.loss_fn(out, y)
         loss.backward()
+        self.world.collectives.entering()  # counted whatever averages: this rank came this far
         waited = self.gradient_sync.step(self.state.step + 1)
         self.state.step += 1
         correct = (out.argmax(1) == y).sum() if self.classification else torch.zeros(())
