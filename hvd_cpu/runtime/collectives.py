@@ -32,13 +32,15 @@ class Collectives(ABC):
     # Whether a collective runs in the calling thread, at once (what --allreduce direct needs),
     # rather than on a background thread.
     in_calling_thread = False
-    # How many collectives this rank has entered, where they are counted (`Counted`).
+    # How many collectives this rank has entered, and how many it is inside now, where they
+    # are counted (`Counted`).
     entered = 0
+    inside = 0
 
-    def entering(self) -> None:
-        """Count a wait for the other ranks made outside these methods (Horovod's optimizer
-        step)."""
-        self.entered += 1
+    def wait_for_others(self, step: Callable[..., T], *args: Any) -> T:
+        """`step(*args)`, a wait for the other ranks made outside these methods (Horovod's
+        optimizer step), counted as a collective where they are counted."""
+        return step(*args)
 
     @abstractmethod
     def sum(self, values: torch.Tensor, name: str) -> torch.Tensor:
@@ -91,31 +93,36 @@ class Collectives(ABC):
 
 class Counted(Collectives):
     """Another backend's collectives, counted as this rank enters them: how far the rank has
-    come. Every rank enters the same collectives in the same order, so a rank whose count is
-    behind the others' is the one they wait for (runtime/watchdog.py names it if it does not
-    move on)."""
+    come, and whether it waits inside one now. Every rank enters the same collectives in the
+    same order, so a rank behind the others, and not inside one, is the one they wait for
+    (runtime/watchdog.py names it if it does not move on). Inside one, a rank may be behind
+    and still waiting: MPI lets some ranks leave a collective before others can."""
 
     def __init__(self, backend: Collectives) -> None:
         self.backend = backend
         self.in_calling_thread = backend.in_calling_thread
         self.entered = 0
+        self.inside = 0
+
+    def wait_for_others(self, step: Callable[..., T], *args: Any) -> T:
+        self.entered += 1
+        self.inside += 1
+        try:
+            return step(*args)
+        finally:
+            self.inside -= 1
 
     def sum(self, values: torch.Tensor, name: str) -> torch.Tensor:
-        self.entered += 1
-        return self.backend.sum(values, name)
+        return self.wait_for_others(self.backend.sum, values, name)
 
     def average_(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        self.entered += 1
-        return self.backend.average_(tensor, name)
+        return self.wait_for_others(self.backend.average_, tensor, name)
 
     def broadcast_(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.entered += 1
-        self.backend.broadcast_(tensors)
+        self.wait_for_others(self.backend.broadcast_, tensors)
 
     def broadcast_object(self, obj: Any, name: str) -> Any:
-        self.entered += 1
-        return self.backend.broadcast_object(obj, name)
+        return self.wait_for_others(self.backend.broadcast_object, obj, name)
 
     def gather(self, obj: Any, name: str) -> list[Any]:
-        self.entered += 1
-        return self.backend.gather(obj, name)
+        return self.wait_for_others(self.backend.gather, obj, name)

@@ -19,10 +19,11 @@ a daemon thread, and watches the others' datagrams:
   Under --elastic the silent rank is killed, and the others go on without it.
 
 A live thread is not progress, so each heartbeat also carries how many collectives its rank
-has entered (runtime/collectives.py's Counted). A rank behind the others is the one they
-wait for: they have entered a collective it has not reached. Behind without moving on for the
-bound, it is stalled as a silent one is (killed on this kernel under --elastic). A rank whose
-own work (rank 0 writing a checkpoint) outlasts the bound needs a larger --stall-seconds.
+has entered, and whether it is inside one (runtime/collectives.py's Counted). A rank behind
+the others and inside none is the one they wait for: they have entered a collective it has
+not reached. So for the bound without moving on, it is stalled as a silent one is (killed on
+this kernel under --elastic). A rank whose own work (rank 0 writing a checkpoint) outlasts
+the bound needs a larger --stall-seconds.
 
 A peer is watched only once its first heartbeat has arrived: a network that blocks UDP
 between hosts turns the watch off for that peer (with one line) instead of ending healthy
@@ -50,11 +51,12 @@ from hvd_cpu.lines import say
 from hvd_cpu.runtime.collectives import Collectives
 from hvd_cpu.runtime.lifecycle import ending, exit_now
 
-# The datagram: the job's token, the sender's rank, the addressee's rank, what the sender says
-# and how many collectives it has entered. It says: a heartbeat, that it leaves normally (stop
-# watching it), that it has named the stall that ends the job, or that it failed and has said
-# so (both: the others end without a word; under --elastic the failed one is a lost rank).
-DATAGRAM = struct.Struct("!16sIIBQ")
+# The datagram: the job's token, the sender's rank, the addressee's rank, what the sender says,
+# how many collectives it has entered and whether it is inside one. It says: a heartbeat, that
+# it leaves normally (stop watching it), that it has named the stall that ends the job, or that
+# it failed and has said so (both: the others end without a word; under --elastic the failed
+# one is a lost rank).
+DATAGRAM = struct.Struct("!16sIIBQ?")
 BEAT, LEAVING, NAMED, FAILED = 0, 1, 2, 3
 # Times a rank that fails sends it: a datagram may be lost between hosts.
 FAILED_SENDS = 3
@@ -129,6 +131,7 @@ class Watchdog:
         self.started = self.last_tick = now
         self.heard: dict[int, float] = {}  # peer: when last heard (watched from the first)
         self.entered: dict[int, int] = {}  # peer: the collectives it had entered, last heard
+        self.waiting: set[int] = set()  # peers inside a collective, last heard
         self.behind_since: dict[int, float] = {}  # peer: behind the others, not moving, since
         self.gone: set[int] = set()  # peers that left normally (or failed, under --elastic)
         self.named_by: int | None = None  # the peer that said why the job ends
@@ -199,9 +202,9 @@ class Watchdog:
         return now - self.last_tick > max(3 * self.interval, self.bound / 4)
 
     def _send(self, what: int) -> None:
-        entered = self.collectives.entered
+        entered, inside = self.collectives.entered, self.collectives.inside > 0
         for rank, peer in self.peers.items():
-            datagram = DATAGRAM.pack(self.token, self.rank, rank, what, entered)
+            datagram = DATAGRAM.pack(self.token, self.rank, rank, what, entered, inside)
             for address in peer.addresses:
                 with contextlib.suppress(OSError):  # unreachable from here: another one is
                     self.socket.sendto(datagram, (address, peer.port))
@@ -217,12 +220,15 @@ class Watchdog:
                 if len(data) == DATAGRAM.size:
                     self._take(*DATAGRAM.unpack(data))
 
-    def _take(self, token: bytes, sender: int, addressee: int, what: int, entered: int) -> None:
+    def _take(
+        self, token: bytes, sender: int, addressee: int, what: int, entered: int, inside: bool
+    ) -> None:
         if token != self.token or addressee != self.rank or sender not in self.peers:
             return
         if what == BEAT:
             if sender not in self.gone:
                 self.heard[sender] = time.monotonic()
+                (self.waiting.add if inside else self.waiting.discard)(sender)
                 if self.entered.get(sender) != entered:
                     self.entered[sender] = entered
                     self.behind_since.pop(sender, None)  # it moved on
@@ -240,6 +246,7 @@ class Watchdog:
         self.gone.add(peer)
         self.heard.pop(peer, None)
         self.entered.pop(peer, None)
+        self.waiting.discard(peer)
         self.behind_since.pop(peer, None)
 
     def _check(self, now: float) -> None:
@@ -255,7 +262,9 @@ class Watchdog:
                     "will not be noticed"
                 )
         silence = {p: now - last for p, last in self.heard.items()}
-        stuck = self._stuck(now)
+        # Stuck only while its heartbeats still come: a silent process (stopped, say) is named
+        # as silent, however long it was behind before.
+        stuck = {p: s for p, s in self._stuck(now).items() if silence[p] < 1.5 * self.interval}
         lag = {p: max(silence[p], stuck.get(p, 0.0)) for p in silence}
         for peer, seconds in sorted(lag.items()):
             if seconds >= self.bound / 4 and peer not in self.warned and seconds < self.bound:
@@ -275,11 +284,12 @@ class Watchdog:
             self._end(stalled, lag, stuck)
 
     def _stuck(self, now: float) -> dict[int, float]:
-        """Seconds each peer has been behind the others without moving on (they wait for it)."""
+        """Seconds each peer has been behind the others, inside no collective, without moving
+        on (they wait for it)."""
         entered = {**self.entered, self.rank: self.collectives.entered}
         furthest = max(entered.values())
         for peer, count in self.entered.items():
-            if count < furthest:
+            if count < furthest and peer not in self.waiting:
                 self.behind_since.setdefault(peer, now)
             else:
                 self.behind_since.pop(peer, None)

@@ -95,8 +95,9 @@ class Trainer:
         out = self.model(x)
         loss = self.loss_fn(out, y)
         loss.backward()
-        self.world.collectives.entering()  # counted whatever averages: this rank came this far
-        waited = self.gradient_sync.step(self.state.step + 1)
+        # A wait for the others, whatever averages (counted: this rank came this far).
+        step = self.gradient_sync.step
+        waited = self.world.collectives.wait_for_others(step, self.state.step + 1)
         self.state.step += 1
         correct = (out.argmax(1) == y).sum() if self.classification else torch.zeros(())
         return loss.detach() * len(x), correct, waited
