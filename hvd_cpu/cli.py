@@ -311,10 +311,15 @@ def main() -> None:
         message = f"hvd-cpu: error: {' '.join(str(exc).split())}"
         _fail(lambda: click.echo(message, err=True), exc.exit_code, together=True)
     except Exception as exc:
-        from hvd_cpu.runtime import horovod
+        from hvd_cpu.runtime import failure, horovod
 
         if not isinstance(exc, horovod.PeerLost):
-            raise
+            if not launch_rank_known():
+                raise
+            # A rank's own failure outside a training run (predict's, a job of one): never
+            # through Python's teardown, whose MPI finalize waits for the ranks that wait for
+            # this one; the launcher ends them when this rank exits 1.
+            failure.fail(exc, launch_rank(), failure.RUN_AGAIN, lambda: None, False)
         # Every surviving rank sees this, so each says it once, in one line, with its rank.
         reason = " ".join(str(exc).split())
         if reason.startswith("Horovod has been shut down"):  # generic: says only "see above"

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from hvd_cpu.output.model_files import CHECKPOINT, load
+from hvd_cpu.runtime.watchdog import Progress
 
 from . import failing_code
 from .jobs import (
@@ -322,3 +323,48 @@ def resumes(launch: Launch) -> None:
         assert ended.returncode == 0, ended.printed
     epochs = [m["epoch"] for m in metrics(launch.output)]
     assert epochs == list(range(1, epochs[-1] + 1)) and epochs[-1] > saved
+
+
+def test_a_rank_is_stuck_only_behind_the_others_outside_any_collective() -> None:
+    """The heartbeats' view of progress: behind and inside no collective, a peer is stuck
+    from when it was first seen so, until it moves on; inside one (MPI lets ranks leave a
+    collective at different times) or level with the furthest, it is not."""
+    progress = Progress()
+    progress.heard(1, entered=5, inside=False)
+    progress.heard(2, entered=6, inside=True)
+    assert progress.stuck(10.0, mine=6) == {1: 0.0}
+    assert progress.stuck(12.5, mine=6) == {1: 2.5}
+    progress.heard(1, entered=5, inside=True)  # waits inside the collective it is behind in
+    assert progress.stuck(13.0, mine=6) == {}
+    progress.heard(1, entered=5, inside=False)
+    assert progress.stuck(14.0, mine=6) == {1: 0.0}  # counted again from now
+    progress.heard(1, entered=6, inside=False)  # moved on, level with the others
+    assert progress.stuck(20.0, mine=6) == {}
+    progress.heard(2, entered=6, inside=False)
+    assert progress.stuck(21.0, mine=7) == {1: 0.0, 2: 0.0}  # this rank went ahead
+    progress.forget(1)
+    progress.restart()
+    assert progress.stuck(22.0, mine=7) == {2: 0.0}
+
+
+@SLOW
+def test_a_rank_that_fails_in_predict_ends_the_job(frame: Path, tmp_path: Path) -> None:
+    """`hvd-cpu predict` under MPI, the model raising on rank 1 only: rank 1's traceback and
+    line, exit 1, no hang (Python's teardown would wait in MPI's finalize)."""
+    output = tmp_path / "out"
+    code = failing_code.write(tmp_path, "validation", 1, failing_code.NEVER)
+    trained = run([*horovodrun_command(2, "mpi"), "train", "--data", str(frame), "--epochs", "1",
+                   "--output", str(output), *code])  # fmt: skip
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    failing_code.write(tmp_path, "validation", 1, 0)  # the model's file, failing from now on
+    predict = ["predict", "--model", str(output), "--data", str(frame),
+               "--output", str(tmp_path / "p.csv")]  # fmt: skip
+    predicted = run([*horovodrun_command(2, "mpi"), *predict], timeout=60)
+    printed = predicted.stdout + predicted.stderr
+    assert predicted.returncode == 1, printed
+    assert printed.count(TRACEBACK) == 1, printed
+    ours = [(rank, text) for rank, text in predicted.rank_lines() if "hvd-cpu:" in text]
+    assert len(ours) == 1 and ours[0][0] == 1, printed
+    assert ours[0][1].startswith(f"hvd-cpu: rank 1 on {HOST} failed: RuntimeError: validation ")
+    assert ours[0][1].endswith("; the job ends; fix it, then run it again"), printed
+    assert processes_naming(output, grace=10) == [], printed

@@ -23,6 +23,7 @@ DEMO_FEATURES = 16
 SEED_MAX = 2**32 - 1
 # Shorter bounds are within what a busy machine delays a heartbeat thread.
 MIN_STALL_SECONDS = 2.0
+STALL_SECONDS = 60.0  # --stall-seconds' default (predict's bound too)
 # Horovod's two controllers, as the summary and bench name them.
 CONTROLLER_NAMES = {"mpi": "MPI", "gloo": "Gloo"}
 
@@ -281,7 +282,7 @@ class TrainConfig:
         type=click.IntRange(min=0),
     )
     stall_seconds: float = option(
-        60.0,
+        STALL_SECONDS,
         help="End the job when a rank has not answered for this long (stopped, swapping, cut "
         "off), or has not moved on while the others wait for it (stuck in its code); under "
         f"--elastic drop it as lost. At least {MIN_STALL_SECONDS:g}; 0: wait forever.",

@@ -29,6 +29,8 @@ from hvd_cpu.runtime.lifecycle import exit_now
 
 # Set by fit()'s driver for its ranks: the folder where a failing rank leaves its exception.
 FAILURES = "HVD_CPU_FAILURES"
+# What becomes of a job without a checkpoint to go on from when one of its ranks fails.
+RUN_AGAIN = "the job ends; fix it, then run it again"
 
 
 class RankTraceback(Exception):

@@ -3,7 +3,7 @@ death, cut off by a network that drops packets while its TCP connections stay op
 training makes no progress while the others wait for it (its main thread deadlocked in the
 user's code, a read that never returns), ends the job within `--stall-seconds`, with one line
 naming it; under --elastic it is dropped as a lost rank. A rank that fails on its own
-(training/failure.py) tells the others here, and they end at once, quietly.
+(runtime/failure.py) tells the others here, and they end at once, quietly.
 
 Why heartbeats and not timeouts on the collectives: MPI has none, Horovod's stall inspector
 only warns by default and sees only Horovod's own collectives, and a collective that waits
@@ -107,6 +107,42 @@ def reachable_addresses() -> tuple[str, ...]:
     return tuple(sorted(addresses))
 
 
+class Progress:
+    """How far the peers have come, as their heartbeats say: the collectives each has entered
+    and whether it is inside one; which of them the others wait for, and since when."""
+
+    def __init__(self) -> None:
+        self.entered: dict[int, int] = {}  # peer: the collectives it had entered, last heard
+        self.waiting: set[int] = set()  # peers inside a collective, last heard
+        self.behind_since: dict[int, float] = {}  # peer: behind the others, not moving, since
+
+    def heard(self, peer: int, entered: int, inside: bool) -> None:
+        (self.waiting.add if inside else self.waiting.discard)(peer)
+        if self.entered.get(peer) != entered:
+            self.entered[peer] = entered
+            self.behind_since.pop(peer, None)  # it moved on
+
+    def restart(self) -> None:
+        """This process stood still: how long the others waited is not known."""
+        self.behind_since.clear()
+
+    def forget(self, peer: int) -> None:
+        self.entered.pop(peer, None)
+        self.waiting.discard(peer)
+        self.behind_since.pop(peer, None)
+
+    def stuck(self, now: float, mine: int) -> dict[int, float]:
+        """Seconds each peer has been behind the others (this rank, at `mine`, among them),
+        inside no collective, without moving on: they wait for it."""
+        furthest = max([mine, *self.entered.values()])
+        for peer, count in self.entered.items():
+            if count < furthest and peer not in self.waiting:
+                self.behind_since.setdefault(peer, now)
+            else:
+                self.behind_since.pop(peer, None)
+        return {p: now - since for p, since in self.behind_since.items()}
+
+
 class Watchdog:
     """This rank's heartbeats to, and watch over, every other rank of its job."""
 
@@ -130,9 +166,7 @@ class Watchdog:
         now = time.monotonic()
         self.started = self.last_tick = now
         self.heard: dict[int, float] = {}  # peer: when last heard (watched from the first)
-        self.entered: dict[int, int] = {}  # peer: the collectives it had entered, last heard
-        self.waiting: set[int] = set()  # peers inside a collective, last heard
-        self.behind_since: dict[int, float] = {}  # peer: behind the others, not moving, since
+        self.progress = Progress()
         self.gone: set[int] = set()  # peers that left normally (or failed, under --elastic)
         self.named_by: int | None = None  # the peer that said why the job ends
         self.warned: set[int] = set()
@@ -172,7 +206,7 @@ class Watchdog:
                 # that ends it): the others' silence is its own, not theirs.
                 self.resumed = True
                 self.heard = dict.fromkeys(self.heard, now)
-                self.behind_since.clear()
+                self.progress.restart()
                 self.warned.clear()
             self.last_tick = now
             if now >= next_beat:
@@ -228,10 +262,7 @@ class Watchdog:
         if what == BEAT:
             if sender not in self.gone:
                 self.heard[sender] = time.monotonic()
-                (self.waiting.add if inside else self.waiting.discard)(sender)
-                if self.entered.get(sender) != entered:
-                    self.entered[sender] = entered
-                    self.behind_since.pop(sender, None)  # it moved on
+                self.progress.heard(sender, entered, inside)
             return
         self._forget(sender)
         if what == NAMED or (what == FAILED and not self.elastic):
@@ -245,9 +276,7 @@ class Watchdog:
         """`peer` is gone: left, failed (--elastic) or dropped; watch it no more."""
         self.gone.add(peer)
         self.heard.pop(peer, None)
-        self.entered.pop(peer, None)
-        self.waiting.discard(peer)
-        self.behind_since.pop(peer, None)
+        self.progress.forget(peer)
 
     def _check(self, now: float) -> None:
         unheard = set(self.peers) - set(self.heard) - self.gone
@@ -264,7 +293,8 @@ class Watchdog:
         silence = {p: now - last for p, last in self.heard.items()}
         # Stuck only while its heartbeats still come: a silent process (stopped, say) is named
         # as silent, however long it was behind before.
-        stuck = {p: s for p, s in self._stuck(now).items() if silence[p] < 1.5 * self.interval}
+        stuck = self.progress.stuck(now, self.collectives.entered)
+        stuck = {p: s for p, s in stuck.items() if silence[p] < 1.5 * self.interval}
         lag = {p: max(silence[p], stuck.get(p, 0.0)) for p in silence}
         for peer, seconds in sorted(lag.items()):
             if seconds >= self.bound / 4 and peer not in self.warned and seconds < self.bound:
@@ -282,18 +312,6 @@ class Watchdog:
         stalled = sorted(p for p, seconds in lag.items() if seconds >= self.bound)
         if stalled:
             self._end(stalled, lag, stuck)
-
-    def _stuck(self, now: float) -> dict[int, float]:
-        """Seconds each peer has been behind the others, inside no collective, without moving
-        on (they wait for it)."""
-        entered = {**self.entered, self.rank: self.collectives.entered}
-        furthest = max(entered.values())
-        for peer, count in self.entered.items():
-            if count < furthest and peer not in self.waiting:
-                self.behind_since.setdefault(peer, now)
-            else:
-                self.behind_since.pop(peer, None)
-        return {p: now - since for p, since in self.behind_since.items()}
 
     def _reporter(self, lag: dict[int, float]) -> bool:
         """Whether this rank is the lowest of those that still answer and move on (the one

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hvd_cpu.config.formats import check_encoding
-from hvd_cpu.config.options import Task
+from hvd_cpu.config.options import STALL_SECONDS, Task
 from hvd_cpu.data.agreement import check_same_data
 from hvd_cpu.data.columns import check_unique_columns
 from hvd_cpu.data.features import FeatureTransform
@@ -25,8 +25,10 @@ from hvd_cpu.data.parquet import Pieces
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.networks import EVAL_ROWS, build_model, outputs
 from hvd_cpu.output.model_files import ModelFile
-from hvd_cpu.runtime import join
+from hvd_cpu.runtime import failure, join
+from hvd_cpu.runtime.lifecycle import launch_rank_known
 from hvd_cpu.runtime.world import World
+from hvd_cpu.training.scope import RunScope
 
 
 @dataclass(frozen=True)
@@ -152,8 +154,16 @@ def predictions(
 
 
 def predict(config: PredictConfig) -> pd.DataFrame | None:
-    """Predict on every rank's block of rows; rank 0 writes them all and returns them."""
-    world = join.init()
+    """Predict on every rank's block of rows; rank 0 writes them all and returns them. A rank
+    that fails or stalls ends the job as in training (training/scope.py)."""
+    with RunScope(process_goes_on=not launch_rank_known()) as scope:
+        world = join.init(stall_seconds=STALL_SECONDS)
+        scope.watch(world, STALL_SECONDS, elastic=False)
+        with scope.failures_end_the_job(lambda: world, lambda: failure.RUN_AGAIN):
+            return _predict(config, world)
+
+
+def _predict(config: PredictConfig, world: World) -> pd.DataFrame | None:
     agreed = world.collectives.agreed
     model, transform, rows = agreed(lambda: load(config, world))
     check_same_data(config.data, rows, world.collectives, whole=True)

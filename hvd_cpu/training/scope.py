@@ -8,11 +8,14 @@ notebook, a test, a user's MPI program) each start from nothing."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.output import lock
 from hvd_cpu.output.lock import HeldFolder
-from hvd_cpu.runtime import failure
+from hvd_cpu.runtime import failure, horovod
 from hvd_cpu.runtime.lifecycle import named_elsewhere_if, off_exit, on_exit, quiet_signals_off
 from hvd_cpu.runtime.watchdog import Watchdog
 from hvd_cpu.runtime.world import World
@@ -53,18 +56,31 @@ class RunScope:
             self.watchdog.stop()
             self.watchdog = None
 
-    def explain_lost(self) -> None:
-        """Before a rank says it lost a peer: if peers fell silent first, end as a stall (the
-        stalled rank named, by the rank that speaks for the others); otherwise return."""
-        if self.watchdog is not None:
-            self.watchdog.end_as_stall()
-
-    def fail(self, exc: BaseException, rank: int, then: str) -> None:
-        """This rank failed on its own (runtime/failure.py): say so, tell the others, and end
-        the process; one that goes on after the run has `exc` raised instead."""
-        watchdog = self.watchdog
-        tell = watchdog.tell_failed if watchdog else lambda: None
-        failure.fail(exc, rank, then, tell, self.process_goes_on)
+    @contextmanager
+    def failures_end_the_job(
+        self, world_now: Callable[[], World], then: Callable[[], str]
+    ) -> Iterator[None]:
+        """Around a run's work: a rank that fails on its own (the user's code, a bug, memory,
+        sys.exit) says so and ends the job at once (runtime/failure.py: the others cannot
+        know, and would wait for it in their next collective); `then` says what becomes of
+        the job. A lost peer is explained first (a stall named by one rank; a rank whose
+        collective failed because another said why the job ends exits quietly); bad input
+        and faults every rank met together go on to the command's one line. `world_now`:
+        the ranks there are now (--elastic changes them)."""
+        try:
+            yield
+        except horovod.PeerLost:
+            if self.watchdog is not None:  # peers silent first: end as the stall, named once
+                self.watchdog.end_as_stall()
+            raise
+        except (InputError, RunFailed):
+            raise  # met by every rank together (collectives.agree_on_error), said by rank 0
+        except BaseException as exc:
+            world = world_now()
+            if world.size > 1:
+                tell = self.watchdog.tell_failed if self.watchdog else lambda: None
+                failure.fail(exc, world.rank, then(), tell, self.process_goes_on)
+            raise
 
     def hold(self, output: Path) -> None:
         """Rank 0: the output folder is this run's until it ends (output/lock.py)."""

@@ -11,8 +11,7 @@ from torch import nn
 
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
-from hvd_cpu.errors import InputError, RunFailed
-from hvd_cpu.runtime import horovod, join, startup
+from hvd_cpu.runtime import join, startup
 from hvd_cpu.runtime.lifecycle import launch_rank_known
 from hvd_cpu.training.elastic import Elastic
 from hvd_cpu.training.job import Job
@@ -41,8 +40,11 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
         membership = Elastic.launched(scope) if config.elastic else Fixed(scope)
         world = join.init(config.threads, comm, config.stall_seconds)
         startup.reached("joined")
-        job = None
-        try:
+        job: Job | None = None
+        with scope.failures_end_the_job(
+            lambda: job.trainer.world if job else world,
+            lambda: membership.after_failure(config.output, job),
+        ):
             prepared = prepare(config, world, membership)  # rank 0 takes the output folder
             trainer = build_trainer(config, world, prepared, prepared.model)
             startup.reached("prepared")
@@ -52,19 +54,4 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
             except BaseException:
                 job.close(failed=True)
                 raise
-        except horovod.PeerLost:
-            # While the watch still runs: a peer that fell silent first is named, by one rank,
-            # and a rank whose collective failed because another named it ends quietly.
-            scope.explain_lost()
-            raise
-        except (InputError, RunFailed):
-            raise  # met by every rank together (collectives.agree_on_error), said by rank 0
-        except BaseException as exc:
-            now = job.trainer.world if job else world  # --elastic: the ranks there are now
-            if now.size == 1:
-                raise
-            # This rank's own failure (the user's code, a bug, memory): the others cannot
-            # know, and would wait for it in their next collective.
-            scope.fail(exc, now.rank, membership.after_failure(config.output, job))
-            raise
     return TrainResult(trainer.model, prepared.transform, trainer.state.history)
