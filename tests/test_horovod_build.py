@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import zipfile
@@ -291,3 +292,30 @@ def test_every_patch_says_why_here_and_in_the_build_page() -> None:
     for patch in build.patch_files():
         name = patch.name.removeprefix(f"horovod-{build.HOROVOD_VERSION}-").removesuffix(".patch")
         assert f"- `{name}`:" in page, f"docs/horovod-build.md does not explain {patch.name}"
+
+
+def test_horovod_writes_each_log_line_whole() -> None:
+    """Patch whole-log-lines: Horovod wrote a log line in some thirteen pieces, and a line the
+    program printed at that moment (a rank's "lost another rank" beside Horovod's own log of
+    the loss) landed in the middle of it. A datagram socket as the process's stdout and
+    stderr keeps each write apart: every one must be whole lines."""
+    reader, writer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    env = {**os.environ, "HOROVOD_LOG_LEVEL": "debug", "HOROVOD_CONTROLLER": "gloo",
+           "HOROVOD_CPU_OPERATIONS": "gloo"}  # fmt: skip
+    code = "import horovod.torch as hvd; hvd.init(); hvd.shutdown()"
+    with writer:
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=writer, stderr=writer,
+                                 env=env)  # fmt: skip
+    writes = []
+    reader.settimeout(0.2)
+    with reader:
+        while child.poll() is None or writes[-1:] != [""]:
+            try:
+                writes.append(reader.recv(65536).decode())
+            except TimeoutError:
+                if child.poll() is not None:
+                    break
+    assert child.wait(60) == 0, writes
+    logged = [w for w in writes if "horovod/common/" in w or w.startswith("[")]
+    assert logged, "Horovod logged nothing at level debug"
+    assert all(w.startswith("[") and w.endswith("\n") for w in logged), logged[:5]
