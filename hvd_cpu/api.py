@@ -99,20 +99,9 @@ def fit(
         )
     if comm is None and np < 1:
         raise InputError(f"np must be at least 1, got {np}")
-    code: dict[str, tuple[str, Any]] = {}  # the user's objects, by the name the config records
-    for option, value in (("model", model), ("loss", loss)):
-        if value is not None and not isinstance(value, str):
-            label = user_code.label_of(value, option)
-            if label in code:  # two lambdas, say
-                raise InputError(
-                    f"model= and loss= are both named {label.rpartition(':')[2]}; "
-                    "define one of them with def (or class) and a name of its own"
-                )
-            code[label] = (option, value)
-            value = label
-        options[option] = value
-    targets = (target,) if isinstance(target, str) else tuple(target)
-    config = TrainConfig(targets=targets, **options)
+    if not isinstance(data, pd.DataFrame):
+        options["data"] = Path(data)  # checked with the options (--shard-read needs it)
+    config, code = user_config(target, model, loss, options)
     with tempfile.TemporaryDirectory(prefix="hvd-cpu-fit-") as folder:
         if isinstance(data, pd.DataFrame):
             # Pickle keeps every dtype exactly; this file is ours, so loading it is safe.
@@ -126,22 +115,49 @@ def fit(
         )
         if comm is not None:
             with user_code.provided({label: obj for label, (_, obj) in code.items()}):
-                return _fit_result(train(config, comm=comm), config.output)
-        if config.model and config.model not in code:
-            # The trained model's class comes back by reference to its module: import it here
-            # too (a FILE.py is no module this process has), which also checks it before launch.
-            load_model_factory(config.model)
-        shipped = {label: user_code.ship(obj, label, o) for label, (o, obj) in code.items()}
+                return fit_result(train(config, comm=comm), config.output)
+        shipped = shipped_code(config, code)
         bar = EpochBar(config.output / METRICS, config.epochs) if in_notebook() else None
         try:
             results = driver.run(_rank_main, (config, shipped), np, hosts, controller, bar)
         finally:
             if bar:
                 bar.close()
-    return _fit_result(cloudpickle.loads(results[0]), config.output)
+    return fit_result(cloudpickle.loads(results[0]), config.output)
 
 
-def _fit_result(result: TrainResult, output: Path) -> FitResult:
+def user_config(
+    target: str | tuple[str, ...], model: Any, loss: Any, options: dict[str, Any]
+) -> tuple[TrainConfig, dict[str, tuple[str, Any]]]:
+    """fit()'s arguments as a TrainConfig, and the user's own objects among them (model= and
+    loss= given as a class or function) by the name the config records for each."""
+    code: dict[str, tuple[str, Any]] = {}
+    for option, value in (("model", model), ("loss", loss)):
+        if value is not None and not isinstance(value, str):
+            label = user_code.label_of(value, option)
+            if label in code:  # two lambdas, say
+                raise InputError(
+                    f"model= and loss= are both named {label.rpartition(':')[2]}; "
+                    "define one of them with def (or class) and a name of its own"
+                )
+            code[label] = (option, value)
+            value = label
+        options[option] = value
+    targets = (target,) if isinstance(target, str) else tuple(target)
+    return TrainConfig(targets=targets, **options), code
+
+
+def shipped_code(config: TrainConfig, code: dict[str, tuple[str, Any]]) -> dict[str, bytes]:
+    """The user's objects as the ranks receive them (user_code.receive). A model named by
+    "module:Name" or "file.py:Name" is imported here first: its trained class comes back by
+    reference to its module (a FILE.py is no module this process has), and this checks it
+    before anything is launched."""
+    if config.model and config.model not in code:
+        load_model_factory(config.model)
+    return {label: user_code.ship(obj, label, o) for label, (o, obj) in code.items()}
+
+
+def fit_result(result: TrainResult, output: Path) -> FitResult:
     return FitResult(result.model, pd.DataFrame(result.history), result.transform, output)
 
 

@@ -84,9 +84,13 @@ def failure_left_in(folder: Path) -> BaseException | None:
     """The first failure a rank left in `folder`: its exception (RunFailed with its line when
     it was no Exception or did not pickle), caused by the rank's traceback."""
     records = sorted(folder.glob("failed-*.pkl"), key=lambda path: path.stat().st_mtime)
-    if not records:
-        return None
-    exc, shown, line = cloudpickle.loads(records[0].read_bytes())
+    return failure_from(records[0].read_bytes()) if records else None
+
+
+def failure_from(record: bytes) -> BaseException:
+    """The exception of a failure record a rank left (RunFailed with its line when it was no
+    Exception or did not pickle), caused by the rank's traceback."""
+    exc, shown, line = cloudpickle.loads(record)
     if not isinstance(exc, Exception):
         exc = RunFailed(line.removeprefix("hvd-cpu: "))
     exc.__cause__ = RankTraceback(f"\n{shown}")  # shown as the rank printed it

@@ -2,7 +2,8 @@
 Horovod's side of a job, each as small as it can be. Starting and stopping it, where this rank
 stands, what this build can do; its collectives (the Horovod backends of runtime/collectives.py:
 through its background thread, or under Gloo through shared memory from the calling thread);
-its DistributedOptimizer; its launcher; its elastic state. What to do with them is decided
+its DistributedOptimizer; its launcher, and the Gloo rendezvous it holds for ranks that
+others start (Spark's tasks); its elastic state. What to do with them is decided
 elsewhere: joining the job and choosing the backend in join.py, launching in launch.py, the
 elastic loop in elastic_loop.py.
 
@@ -240,3 +241,60 @@ def listen_for_host_updates(state: ElasticState) -> None:
 
 def stop_listening(state: ElasticState) -> None:
     notification_manager.remove_listener(state)
+
+
+# Ranks started by others (Spark's tasks): the Gloo rendezvous horovodrun would hold
+
+
+class Slot(NamedTuple):
+    """One rank's place, as horovodrun lays ranks out over hosts."""
+
+    host: str
+    rank: int
+    local_rank: int
+    cross_rank: int
+    size: int
+    local_size: int
+    cross_size: int
+
+
+def _assignments(hosts: list[tuple[str, int]]) -> list[Any]:
+    from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
+
+    ranks = sum(count for _, count in hosts)
+    return get_host_assignments([HostInfo(host, count) for host, count in hosts], ranks)
+
+
+def lay_out(hosts: list[tuple[str, int]]) -> list[Slot]:
+    """Every rank's place for (host, ranks there) pairs, in rank order."""
+    return [
+        Slot(s.hostname, s.rank, s.local_rank, s.cross_rank, s.size, s.local_size, s.cross_size)
+        for s in _assignments(hosts)
+    ]
+
+
+def serve_rendezvous(hosts: list[tuple[str, int]]) -> tuple[Callable[[], None], int]:
+    """Start the rendezvous server the ranks of `hosts` meet at (Gloo's, as horovodrun starts
+    it); (how to stop it, its port)."""
+    from horovod.runner.http.http_server import RendezvousServer
+
+    server = RendezvousServer()
+    port = server.start()
+    server.init(_assignments(hosts))
+    return server.stop, port
+
+
+def gloo_environment(slot: Slot, server: str, port: int, interface: str | None) -> dict[str, str]:
+    """The environment horovodrun gives a Gloo rank at `slot` (its gloo_run), the rendezvous
+    at server:port; `interface`: the network interface its peers reach it on."""
+    env = {"RENDEZVOUS_ADDR": server, "RENDEZVOUS_PORT": port} | (
+        {"IFACE": interface} if interface else {}
+    )
+    place = {"HOSTNAME": slot.host, "RANK": slot.rank, "SIZE": slot.size}
+    place |= {"LOCAL_RANK": slot.local_rank, "LOCAL_SIZE": slot.local_size}
+    place |= {"CROSS_RANK": slot.cross_rank, "CROSS_SIZE": slot.cross_size}
+    return (
+        {f"HOROVOD_GLOO_{name}": str(value) for name, value in env.items()}
+        | {f"HOROVOD_{name}": str(value) for name, value in place.items()}
+        | {"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
+    )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pandas as pd
 import torch
 from torch import nn
 
@@ -100,14 +101,20 @@ def open_output_together(
     return world.collectives.agreed(lambda: open_output(config, world, scope))
 
 
-def read_rows(config: TrainConfig, world: World) -> tuple[Pieces | InMemory, int, int | None]:
+def read_rows(
+    config: TrainConfig, world: World, own: pd.DataFrame | None = None
+) -> tuple[Pieces | InMemory, int, int | None]:
     """(the rows this rank trains from, the bounds of its disjoint part of them for fitting
     statistics).
 
     By default every rank trains from the whole table and fits on a 1/size slice of it; with
-    --shard-read a rank has only its own pieces and fits on all of them. Parquet stays on disk
-    until it is needed: first the part for the fit, then batch by batch into the matrices.
+    --shard-read a rank has only its own pieces and fits on all of them, as it does with the
+    `own` rows it was handed (a Spark task's partitions, config.shard_read set). Parquet stays
+    on disk until it is needed: first the part for the fit, then batch by batch into the
+    matrices.
     """
+    if own is not None:
+        return InMemory(own), 0, None
     if config.data is None:
         rows: Pieces | InMemory = InMemory(make_demo_frame(DEMO_ROWS, DEMO_FEATURES, config.seed))
     elif config.shard_read:
@@ -127,13 +134,13 @@ def read_rows(config: TrainConfig, world: World) -> tuple[Pieces | InMemory, int
 
 
 def encode(
-    config: TrainConfig, world: World, fitted: dict[str, Any] | None
+    config: TrainConfig, world: World, fitted: dict[str, Any] | None, own: pd.DataFrame | None
 ) -> tuple[FeatureTransform, Arrays]:
     """Read this rank's part, fit the transformation over all ranks (or take the resumed
     one), then encode this rank's rows batch by batch into matrices made once: the part is
     dropped before, so the frame and the matrices are not in memory together (for parquet)."""
     agreed = world.collectives.agreed
-    rows, start, stop = agreed(lambda: read_rows(config, world))
+    rows, start, stop = agreed(lambda: read_rows(config, world, own))
     check_same_data(config.data, rows, world.collectives, whole=not config.shard_read)
     if fitted is not None:
         transform = FeatureTransform.from_dict(fitted)
@@ -164,12 +171,15 @@ def split(rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Te
     return torch.from_numpy(train), torch.from_numpy(val)
 
 
-def prepare(config: TrainConfig, world: World, membership: Membership) -> Prepared:
+def prepare(
+    config: TrainConfig, world: World, membership: Membership, own: pd.DataFrame | None = None
+) -> Prepared:
     """Check the output, read, fit, encode, split and build on every rank, agreeing on bad
     input after each step; what to prepare from, and on which ranks, is the membership's
-    (under --elastic each rank prepares alone: training/elastic.py)."""
+    (under --elastic each rank prepares alone: training/elastic.py). `own`: the rows this
+    rank was handed, instead of reading --data."""
     world, resumed, fitted = membership.start(config, world)
-    transform, arrays = encode(config, world, fitted)
+    transform, arrays = encode(config, world, fitted, own)
 
     if config.shard_read:  # each rank holds its own rows: hold out some of them
         train_rows, val_rows = split(len(arrays), config.val_fraction, config.seed + world.rank)

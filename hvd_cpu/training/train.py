@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pandas as pd
 from torch import nn
 
 from hvd_cpu.config.options import TrainConfig
@@ -30,9 +31,10 @@ class TrainResult:
     history: list[dict[str, Any]]
 
 
-def train(config: TrainConfig, comm: Any = None) -> TrainResult:
+def train(config: TrainConfig, comm: Any = None, own: pd.DataFrame | None = None) -> TrainResult:
     """Train as configured; call on every rank of the job (a plain process is a job of one,
-    the processes of `comm`, an mpi4py communicator, are one job over MPI)."""
+    the processes of `comm`, an mpi4py communicator, are one job over MPI). `own`: this rank's
+    own rows (a Spark task's partitions), read instead of --data, with --shard-read set."""
     startup.reached("imported")
     # The run's watch and output folder end with it: the others may finish later (this rank
     # is not stalled, it is done), and a Python caller's process goes on after the job.
@@ -45,7 +47,7 @@ def train(config: TrainConfig, comm: Any = None) -> TrainResult:
             lambda: job.trainer.world if job else world,
             lambda: membership.after_failure(config.output, job),
         ):
-            prepared = prepare(config, world, membership)  # rank 0 takes the output folder
+            prepared = prepare(config, world, membership, own)  # rank 0 takes the output folder
             trainer = build_trainer(config, world, prepared, prepared.model)
             startup.reached("prepared")
             job = Job(config, prepared, trainer)
