@@ -78,6 +78,42 @@ def train(**options: object) -> None:
     run_training(TrainConfig(**options))
 
 
+@cli.command("spark-train")
+@click.option(
+    "--master",
+    required=True,
+    help="The Spark master: spark://HOST:7077, yarn, k8s://..., local[N].",
+)
+@click.option(
+    "--np",
+    "num_proc",
+    type=click.IntRange(min=1),
+    help="Ranks, each a Spark task (default: one per task slot of the cluster).",
+)
+@config_option
+@train_options()
+def spark_train(master: str, num_proc: int | None, **options: Any) -> None:
+    """Train on a Spark cluster's executors (pip install 'hvd-cpu[spark]'): --data is parquet
+    the executors read, each rank a Spark task on its own partition of it; run it as a plain
+    command (no horovodrun), where the Spark driver runs. OUTPUT is written by rank 0's
+    executor: a path it and this machine share."""
+    from hvd_cpu.runtime.failure import RankTraceback
+    from hvd_cpu.spark import fit
+
+    data = options.pop("data")
+    if data is None:
+        raise InputError("name the parquet file or folder to train on with --data")
+    targets, model, loss = options.pop("targets"), options.pop("model"), options.pop("loss")
+    try:
+        fit(str(data), targets, num_proc, model, loss, master=master, **options)
+    except (InputError, RunFailed):
+        raise
+    except Exception as exc:
+        if isinstance(exc.__cause__, RankTraceback):
+            sys.exit(1)  # the rank printed its traceback and its line above
+        raise
+
+
 @cli.command()
 @click.option(
     "--model",

@@ -33,8 +33,8 @@ say() { printf 'install: %s\n' "$*" >&2; }
 die() { printf 'install: error: %s\n' "$*" >&2; exit 1; }
 
 # Debian packages, as root only: what the build needs (Debian's Open MPI for the MPI controller;
-# without root, install-horovod takes Open MPI from PyPI), plus what the multi-host and SLURM
-# tests need.
+# without root, install-horovod takes Open MPI from PyPI), plus what the multi-host, SLURM
+# and Spark tests need.
 if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
   need_debs=()
   for tool in g++:g++ make:make mpirun:openmpi-bin mpicxx:libopenmpi-dev; do
@@ -50,6 +50,8 @@ if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
       command -v "${tool%%:*}" >/dev/null || [[ -x /usr/sbin/${tool%%:*} ]] || need_debs+=("${tool##*:}")
     done
     compgen -G '/usr/lib/*/pmix2/lib/libpmix.so' >/dev/null || need_debs+=(libpmix-dev)
+    # The Spark tests' standalone cluster (pyspark 4 runs on Java 17 or 21).
+    command -v java >/dev/null || need_debs+=(openjdk-17-jre-headless)
   fi
   if ((${#need_debs[@]})); then
     say "installing Debian packages: ${need_debs[*]}"
