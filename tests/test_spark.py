@@ -1,0 +1,241 @@
+"""hvd_cpu.spark on a real Spark standalone cluster (a master and two workers of two cores
+started here, tests/spark_cluster.py): training from a Spark DataFrame against hvd_cpu.fit,
+prediction on the executors, the command line, bad input and a lost executor."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import psutil
+import pytest
+import torch
+from torch import nn
+
+import hvd_cpu
+from hvd_cpu import spark as hvd_spark
+from hvd_cpu.errors import InputError, RunFailed
+from hvd_cpu.runtime.failure import RankTraceback
+from hvd_cpu.spark import cluster
+from tests.spark_cluster import COMMAND, ROWS, SparkCluster, needs_spark, table
+
+pytestmark = needs_spark
+RANKS = 4
+
+
+@pytest.fixture(scope="module")
+def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with SparkCluster(tmp_path_factory.mktemp("spark")) as running:
+        session = cluster.session(running.master, "hvd-cpu tests")
+        session.cluster = running  # the tests that kill an executor reach it here
+        yield session
+        session.stop()
+
+
+def partitioned(spark: Any, frame: pd.DataFrame, parts: int) -> Any:
+    """A Spark DataFrame whose partition i holds the i-th contiguous run of `frame`'s rows,
+    in order: what `--shard-read` gives rank i of a parquet file with `parts` row groups."""
+    tagged = frame.assign(_part=np.arange(len(frame)) * parts // len(frame), _row=range(len(frame)))
+    spread = spark.createDataFrame(tagged).repartitionByRange(parts, "_part")
+    return spread.sortWithinPartitions("_row").drop("_part", "_row")
+
+
+def parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def test_spark_fit_trains_as_fit_does(spark: Any, tmp_path: Path) -> None:
+    """Each rank on its own partition: the same parameters as hvd_cpu.fit with --shard-read
+    of the same rows per rank; and the whole table's loss as hvd_cpu.fit's, with Spark's own
+    partitioning. Then predictions on the executors match the model's here."""
+    frame = table()
+    parquet = tmp_path / "table.parquet"
+    frame.to_parquet(parquet, row_group_size=ROWS // RANKS)
+    options = {"epochs": 3, "batch_size": 64, "seed": 3}
+    ours = hvd_spark.fit(
+        partitioned(spark, frame, RANKS), num_proc=RANKS, output=tmp_path / "spark", **options
+    )
+    theirs = hvd_cpu.fit(
+        parquet, np=RANKS, shard_read=True, output=tmp_path / "fit", **options
+    )  # fmt: skip
+    for name, value in parameters(theirs.model).items():
+        torch.testing.assert_close(parameters(ours.model)[name], value, rtol=1e-5, atol=1e-6)
+    assert (tmp_path / "spark" / "model.pt").exists()
+    pd.testing.assert_frame_equal(
+        ours.history[["epoch", "train_loss", "val_loss"]],
+        theirs.history[["epoch", "train_loss", "val_loss"]],
+        rtol=1e-5,
+    )
+
+    shuffled = hvd_spark.fit(
+        spark.createDataFrame(frame).repartition(3), num_proc=RANKS,
+        output=tmp_path / "any", epochs=6, seed=3,
+    )  # fmt: skip
+    whole = hvd_cpu.fit(frame, np=RANKS, output=tmp_path / "whole", epochs=6, seed=3)
+    ours_loss, their_loss = (
+        shuffled.history["val_loss"].iloc[-1],
+        whole.history["val_loss"].iloc[-1],
+    )
+    assert ours_loss == pytest.approx(their_loss, rel=0.5), (ours_loss, their_loss)
+    assert ours_loss < 0.2 * shuffled.history["val_loss"].iloc[0]
+
+    rows = spark.createDataFrame(frame.drop(columns="target").assign(key=range(ROWS)))
+    predicted = hvd_spark.predict(tmp_path / "spark", rows, id_column="key").toPandas()
+    expected = ours.predict(frame.drop(columns="target").assign(key=range(ROWS)), "key")
+    predicted = predicted.sort_values("key").reset_index(drop=True)
+    pd.testing.assert_frame_equal(predicted, expected, check_dtype=False, rtol=1e-5)
+    with pytest.raises(InputError, match="lacks the feature column"):
+        hvd_spark.predict(ours, rows.drop("f1"), id_column="key")
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_line(spark: Any, tmp_path: Path) -> None:
+    frame = spark.createDataFrame(table(400))
+    with pytest.raises(InputError, match=r"has no column 'y' \(it has f0, f1, f2, f3, target\)"):
+        hvd_spark.fit(frame, target="y", num_proc=2, output=tmp_path / "a")
+    with pytest.raises(
+        InputError, match=r"has 4 task slot\(s\), fewer than num_proc=5.*num_proc=4"
+    ):
+        hvd_spark.fit(frame, num_proc=5, output=tmp_path / "b")
+    with pytest.raises(InputError, match="not available on Spark"):
+        hvd_spark.fit(frame, num_proc=2, elastic=True, output=tmp_path / "c")
+
+
+def test_command_line_bad_input(tmp_path: Path) -> None:
+    """No cluster needed: each is one line and exit code 2, within seconds."""
+    parquet = tmp_path / "t.parquet"
+    table(100).to_parquet(parquet)
+    cases = {
+        "no Spark master answers at spark://127.0.0.1:9": ["--master", "spark://127.0.0.1:9"],
+        "pyspark is not installed: pip install 'hvd-cpu[spark]'": ["--master", "local[2]"],
+        "Spark needs Java": ["--master", "local[2]"],
+    }
+    envs = {
+        "pyspark is not installed: pip install 'hvd-cpu[spark]'": "pyspark",
+        "Spark needs Java": "java",
+    }
+    for said, words in cases.items():
+        env = {**os.environ}
+        prelude = ""
+        if envs.get(said) == "pyspark":  # what an install without the extra meets
+            prelude = "import sys; sys.modules['pyspark'] = None; "
+        if envs.get(said) == "java":
+            env["PATH"] = str(Path(sys.executable).parent)
+            env.pop("JAVA_HOME", None)
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-c", prelude + "from hvd_cpu.cli import main; main()",
+             "spark-train", *words, "--data", str(parquet), "--output", str(tmp_path / "o")],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and said in lines[0], done.stderr
+        assert time.monotonic() - started < 60
+
+
+class Breaks(nn.Module):
+    """The seed's MLP, whose forward raises on rank 1 after a few steps."""
+
+    def __init__(self, n_features: int, n_outputs: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(n_features, 32), nn.Linear(32, n_outputs))
+        self.steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        if self.training and self.steps > 20 and os.environ.get("HOROVOD_RANK") == "1":
+            raise ValueError("rank 1's model broke")
+        return self.net(x)
+
+
+def _left_on_executors() -> list[psutil.Process]:
+    return [
+        p for p in psutil.process_iter(["cmdline"])
+        if "hvd_cpu.spark.rank" in " ".join(p.info["cmdline"] or [])
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_rank_failure_and_lost_executor(spark: Any, tmp_path: Path) -> None:
+    """A rank's exception reaches the caller (its traceback as the cause); an executor killed
+    mid-training ends the job with its line, the checkpoint kept, and resume goes on. Neither
+    leaves a rank behind."""
+    frame = spark.createDataFrame(table(40_000)).repartition(RANKS)
+    with pytest.raises(ValueError, match="rank 1's model broke") as failed:
+        hvd_spark.fit(frame, num_proc=RANKS, model=Breaks, output=tmp_path / "broke", epochs=2)
+    assert isinstance(failed.value.__cause__, RankTraceback)
+    assert not _left_on_executors()
+
+    output, killed = tmp_path / "lost", []
+    killer = threading.Thread(target=_kill_an_executor, args=(spark.cluster, output, killed))
+    killer.start()
+    with pytest.raises(RunFailed, match=r"ExecutorLostFailure.*holds epoch \d+.*resume=True"):
+        hvd_spark.fit(frame, num_proc=RANKS, output=output, epochs=40)
+    killer.join()
+    assert killed, "no executor was killed"
+    deadline = time.monotonic() + 30
+    while _left_on_executors() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _left_on_executors()
+    while spark.cluster.alive_workers() < 2 or cluster.task_slots(spark, RANKS) < RANKS:
+        time.sleep(0.5)  # the worker starts the application a new executor
+    resumed = hvd_spark.fit(frame, num_proc=RANKS, output=output, epochs=40, resume=True)
+    assert resumed.history["epoch"].iloc[-1] == 40
+
+
+def _kill_an_executor(running: SparkCluster, output: Path, killed: list[int]) -> None:
+    """Kill one executor (SIGKILL) once the job has checkpointed two epochs."""
+    metrics = output / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            executor = running.executors()[-1]
+            executor.kill()
+            killed.append(executor.pid)
+            return
+        time.sleep(0.2)
+
+
+def run(words: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(words, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_command_line_trains_and_resumes(spark: Any, tmp_path: Path) -> None:
+    """`hvd-cpu spark-train` writes its run folder as `hvd-cpu train` does, its epoch lines
+    and summary on the terminal; --resume goes on. On a cluster whose cores another
+    application holds (the tests' session) it says there are no task slots."""
+    parquet = tmp_path / "t.parquet"
+    table(2000).to_parquet(parquet)
+    words = [*COMMAND, "--np", "2", "--data", str(parquet), "--output", str(tmp_path / "run")]
+    busy = run([*words, "--master", spark.cluster.master])
+    assert busy.returncode == 2
+    assert (
+        busy.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"hvd-cpu: error: the Spark cluster at {spark.cluster.master} has 0 task slot(s), "
+            "fewer than num_proc=2"
+        )
+    ), busy.stderr
+    with SparkCluster(tmp_path / "cluster") as own:
+        words += ["--master", own.master]
+        first = run([*words, "--epochs", "2"])
+        assert first.returncode == 0, first.stderr
+        assert "Epoch 2:" in first.stdout and "throughput" in first.stdout
+        assert (tmp_path / "run" / "model.pt").exists()
+        again = run([*words, "--epochs", "2"])
+        assert again.returncode == 2
+        assert "holds a checkpoint" in again.stderr.strip().splitlines()[-1], again.stderr
+        more = run([*words, "--epochs", "4", "--resume"])
+        assert more.returncode == 0, more.stderr
+        assert "Epoch 4:" in more.stdout and "Epoch 2:" not in more.stdout
