@@ -96,7 +96,8 @@ def spark_train(master: str, num_proc: int | None, **options: Any) -> None:
     """Train on a Spark cluster's executors (pip install 'hvd-cpu[spark]'): --data is parquet
     the executors read, each rank a Spark task on its own partition of it; run it as a plain
     command (no horovodrun), where the Spark driver runs. OUTPUT is written by rank 0's
-    executor: a path it and this machine share."""
+    executor: a path it and this machine share. --elastic: after a lost executor the job
+    starts again by itself from its last checkpoint."""
     from hvd_cpu.runtime.failure import RankTraceback
     from hvd_cpu.spark import fit
 

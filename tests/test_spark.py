@@ -5,6 +5,7 @@ prediction on the executors, the command line, bad input and a lost executor."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -105,8 +106,6 @@ def test_bad_input_is_one_line(spark: Any, tmp_path: Path) -> None:
         InputError, match=r"has 4 task slot\(s\), fewer than num_proc=5.*num_proc=4"
     ):
         hvd_spark.fit(frame, num_proc=5, output=tmp_path / "b")
-    with pytest.raises(InputError, match="not available on Spark"):
-        hvd_spark.fit(frame, num_proc=2, elastic=True, output=tmp_path / "c")
 
 
 def test_command_line_bad_input(tmp_path: Path) -> None:
@@ -165,10 +164,12 @@ def _left_on_executors() -> list[psutil.Process]:
 
 
 @pytest.mark.slow
-def test_rank_failure_and_lost_executor(spark: Any, tmp_path: Path) -> None:
+def test_rank_failure_and_lost_executor(
+    spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A rank's exception reaches the caller (its traceback as the cause); an executor killed
-    mid-training ends the job with its line, the checkpoint kept, and resume goes on. Neither
-    leaves a rank behind."""
+    mid-training ends the job with its line, the checkpoint kept, and resume goes on; with
+    elastic=True a killed executor does not end the job. None leaves a rank behind."""
     frame = spark.createDataFrame(table(40_000)).repartition(RANKS)
     with pytest.raises(ValueError, match="rank 1's model broke") as failed:
         hvd_spark.fit(frame, num_proc=RANKS, model=Breaks, output=tmp_path / "broke", epochs=2)
@@ -176,7 +177,7 @@ def test_rank_failure_and_lost_executor(spark: Any, tmp_path: Path) -> None:
     assert not _left_on_executors()
 
     output, killed = tmp_path / "lost", []
-    killer = threading.Thread(target=_kill_an_executor, args=(spark.cluster, output, killed))
+    killer = threading.Thread(target=_kill_an_executor, args=(spark.cluster, output, killed, 2))
     killer.start()
     with pytest.raises(RunFailed, match=r"ExecutorLostFailure.*holds epoch \d+.*resume=True"):
         hvd_spark.fit(frame, num_proc=RANKS, output=output, epochs=40)
@@ -188,16 +189,32 @@ def test_rank_failure_and_lost_executor(spark: Any, tmp_path: Path) -> None:
     assert not _left_on_executors()
     while spark.cluster.alive_workers() < 2 or cluster.task_slots(spark, RANKS) < RANKS:
         time.sleep(0.5)  # the worker starts the application a new executor
-    resumed = hvd_spark.fit(frame, num_proc=RANKS, output=output, epochs=40, resume=True)
+    # Resumed with elastic=True: an executor killed two epochs on, and the job goes on.
+    epochs = len((output / "metrics.jsonl").read_text().splitlines())
+    args = (spark.cluster, output, killed, epochs + 2)
+    killer = threading.Thread(target=_kill_an_executor, args=args)
+    killer.start()
+    capsys.readouterr()
+    resumed = hvd_spark.fit(
+        frame, num_proc=RANKS, output=output, epochs=40, resume=True, elastic=True
+    )
+    killer.join()
+    assert len(killed) == 2, "no executor was killed under elastic=True"
+    said = capsys.readouterr().err
+    assert re.search(
+        r"ExecutorLostFailure.*going on \(elastic, restart 1 of at most 3\) on [1-4] ranks, "
+        r"from epoch \d+'s checkpoint",
+        said,
+    ), said
     assert resumed.history["epoch"].iloc[-1] == 40
 
 
-def _kill_an_executor(running: SparkCluster, output: Path, killed: list[int]) -> None:
-    """Kill one executor (SIGKILL) once the job has checkpointed two epochs."""
+def _kill_an_executor(running: SparkCluster, output: Path, killed: list[int], epochs: int) -> None:
+    """Kill one executor (SIGKILL) once the job has checkpointed `epochs` epochs."""
     metrics = output / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= epochs:
             executor = running.executors()[-1]
             executor.kill()
             killed.append(executor.pid)

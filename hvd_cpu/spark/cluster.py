@@ -71,11 +71,12 @@ def session(master: str, name: str) -> Any:
     return spark
 
 
-def task_slots(spark: Any, wanted: int) -> int:
+def task_slots(spark: Any, wanted: int, until: float | None = None) -> int:
     """How many tasks the session's executors run at once; while there are fewer than
-    `wanted`, a session younger than REGISTER_SECONDS waits for executors still registering."""
+    `wanted`, wait for executors still registering: until time.time() reaches `until`
+    (default: while the session is younger than REGISTER_SECONDS)."""
     context = spark.sparkContext._jsc.sc()
-    deadline = context.startTime() / 1000 + REGISTER_SECONDS
+    deadline = context.startTime() / 1000 + REGISTER_SECONDS if until is None else until
     while True:
         profile = context.resourceProfileManager().defaultResourceProfile()
         slots = int(context.maxNumConcurrentTasks(profile))

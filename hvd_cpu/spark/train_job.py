@@ -4,10 +4,14 @@ The driver (this process) never holds the table: the frame is split into `num_pr
 partitions, and one barrier task per partition runs one rank on that partition's rows
 (spark/task.py), as `--shard-read` ranks train on their own pieces of a parquet file. Rank 0
 writes the run's folder as `hvd-cpu train` does and hands its model back through Spark.
+Spark does not start a failed barrier stage again; with elastic=True this module does, from
+the job's last checkpoint, on the executors there are then.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,7 +19,9 @@ from typing import Any
 import cloudpickle
 
 from hvd_cpu.api import FitResult, fit_result, shipped_code, user_config
+from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.errors import InputError, RunFailed
+from hvd_cpu.lines import say
 from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
 from hvd_cpu.runtime.failure import failure_from
 from hvd_cpu.spark import cluster
@@ -25,6 +31,8 @@ from hvd_cpu.training.job import checkpoint_kept
 
 # What config.toml records as --data for a DataFrame that was no parquet path.
 DATAFRAME = Path("spark-dataframe")
+# How long a job going on (elastic) waits for the cluster to replace a lost executor.
+REPLACE_SECONDS = 30.0
 
 
 def fit(
@@ -43,66 +51,134 @@ def fit(
 
     Raises InputError for bad input (no master, too few task slots, a missing column); the
     exception a rank's code raised, as hvd_cpu.fit does; RunFailed when a task was lost (an
-    executor killed): the checkpoint stays, and `resume=True` goes on from it.
+    executor killed): the checkpoint stays, and `resume=True` goes on from it. With
+    elastic=True the job goes on by itself instead, up to `max_restarts` times.
     """
     cluster.require_spark()
-    if options.get("elastic"):
-        raise InputError(
-            "--elastic is not available on Spark: a lost task ends the job, and resume=True "
-            "goes on from its checkpoint"
-        )
+    if num_proc is not None and num_proc < 1:
+        raise InputError(f"num_proc must be at least 1, got {num_proc}")
+    elastic = bool(options.pop("elastic", False))
     # Each rank trains on its own rows, as --shard-read ranks do.
     where = Path(data) if isinstance(data, (str, Path)) else DATAFRAME
     config, code = user_config(target, model, loss, {**options, "data": where, "shard_read": True})
     config = replace(config, output=Path(config.output).absolute())
     spark = cluster.session(master, "hvd-cpu") if master else cluster.session_of(data)
-    if num_proc is not None and num_proc < 1:
-        raise InputError(f"num_proc must be at least 1, got {num_proc}")
     num_proc = num_proc or cluster.task_slots(spark, 1)
     cluster.check_slots(spark, num_proc)
     frame = cluster.frame_of(data, spark)
     cluster.check_columns(frame, [*config.targets, *(config.features or ())])
-    if frame.rdd.getNumPartitions() != num_proc:
-        frame = frame.repartition(num_proc)
-    job = cloudpickle.dumps((config, shipped_code(config, code)))
-    columns = frame.limit(0).toPandas()
-    outcomes = _run(spark, frame, job, columns, num_proc, config.output)
-    return fit_result(_result(outcomes), config.output)
+    training = Training(spark, frame, config, shipped_code(config, code))
+    rows = training.going_on(num_proc) if elastic else training.once(num_proc)
+    return fit_result(_result(rows), config.output)
 
 
-def _run(
-    spark: Any, frame: Any, job: bytes, columns: Any, num_proc: int, output: Path
-) -> list[Any]:
-    """The barrier job; its tasks' rows, by rank. Spark does not start a failed barrier
-    result stage again: a task lost (its executor killed, say) ends the job, with its line."""
-    context = spark.sparkContext
-    with Relay() as relay:
-        driver = (context.getConf().get("spark.driver.host"), relay.port)
-        context.setJobDescription(f"hvd-cpu: training on {num_proc} ranks")
+class TaskLost(Exception):
+    """Spark ended the job's stage: a task was lost (its executor killed, say). Spark does
+    not start a failed barrier result stage again."""
+
+
+class Training:
+    """One training job on the executors: a barrier stage of one task per rank, run once,
+    or (elastic) again after a lost task, from this job's last checkpoint, on the task slots
+    there are then. Spark computes a lost partition again from the frame's lineage, so no
+    rows are lost with an executor."""
+
+    def __init__(self, spark: Any, frame: Any, config: TrainConfig, code: dict[str, bytes]) -> None:
+        self.spark, self.frame, self.config, self.code = spark, frame, config, code
+        self.columns = frame.limit(0).toPandas()
+        self.checkpoint = config.output / CHECKPOINT
+        self.found = _stamp(self.checkpoint)  # an earlier run's checkpoint is not this job's
+
+    def once(self, num_proc: int) -> list[Any]:
+        """The stage's rows, by rank; RunFailed when a task was lost."""
         try:
-            rows = frame.mapInPandas(
-                rank_task(job, columns, driver), OUTCOME_SCHEMA, barrier=True
-            ).collect()
-        except Exception as exc:
-            raise RunFailed(_lost(exc, output)) from exc
-        finally:
-            context.setJobDescription(None)
-    return sorted(rows, key=lambda row: row.rank)
+            return self._stage(self.config, num_proc)
+        except TaskLost as lost:
+            raise RunFailed(f"a Spark task of the job failed ({lost}); {self._ends()}") from lost
+
+    def going_on(self, num_proc: int) -> list[Any]:
+        """As `once`, but after a lost task the job goes on by itself (up to max_restarts
+        times), with as many ranks as there are task slots, at most `num_proc`."""
+        config, ranks, most, restart = self.config, num_proc, self.config.max_restarts, 0
+        while True:
+            try:
+                return self._stage(config, ranks)
+            except TaskLost as lost:
+                restart += 1
+                if restart > most:
+                    raise RunFailed(
+                        f"a Spark task of the job failed ({lost}) after {most} restart(s) "
+                        f"(max_restarts, --max-restarts); {self._ends()}"
+                    ) from lost
+                saved = self._saved_epoch()
+                if saved:
+                    config = replace(self.config, resume=True, overwrite=False)
+                ranks = min(num_proc, self._slots_again(num_proc))
+                start = f"from epoch {saved}'s checkpoint" if saved else "from the start"
+                say(
+                    f"hvd-cpu: a Spark task of the job failed ({lost}); going on (elastic, "
+                    f"restart {restart} of at most {most}) on {ranks} ranks, {start}",
+                    sys.stderr,
+                )
+
+    def _slots_again(self, wanted: int) -> int:
+        """The task slots once the cluster has had time to replace a lost executor."""
+        slots = cluster.task_slots(self.spark, wanted, until=time.time() + REPLACE_SECONDS)
+        if slots < 1:
+            raise RunFailed(
+                f"a Spark task of the job failed and no task slot is left; {self._ends()}"
+            )
+        return slots
+
+    def _stage(self, config: TrainConfig, num_proc: int) -> list[Any]:
+        """One barrier stage of `num_proc` tasks; its rows, by rank."""
+        frame = self.frame
+        if frame.rdd.getNumPartitions() != num_proc:
+            frame = frame.repartition(num_proc)
+        job = cloudpickle.dumps((config, self.code))
+        context = self.spark.sparkContext
+        with Relay() as relay:
+            driver = (context.getConf().get("spark.driver.host"), relay.port)
+            context.setJobDescription(f"hvd-cpu: training on {num_proc} ranks")
+            try:
+                rows = frame.mapInPandas(
+                    rank_task(job, self.columns, driver), OUTCOME_SCHEMA, barrier=True
+                ).collect()
+            except Exception as exc:
+                raise TaskLost(_reason(exc)) from exc
+            finally:
+                context.setJobDescription(None)
+        return sorted(rows, key=lambda row: row.rank)
+
+    def _saved_epoch(self) -> int | None:
+        """The epoch of this job's last checkpoint, if it wrote one."""
+        if _stamp(self.checkpoint) in (None, self.found):
+            return None
+        return int(Checkpoint.load(self.checkpoint).loop["epoch"])
+
+    def _ends(self) -> str:
+        """What the run left to resume from, for the line that ends it."""
+        saved = self._saved_epoch()
+        then = "run it again with resume=True (spark-train --resume) to go on from there"
+        kept = checkpoint_kept(self.config.output, saved)
+        return f"the job ends; {kept}: {then if saved else 'fix it, then run it again'}"
 
 
-def _lost(exc: Exception, output: Path) -> str:
-    """The line for a job Spark ended: its reason, and what the run left to resume from."""
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """What tells one writing of a file from another: its change time and size."""
+    try:
+        status = path.stat()
+    except FileNotFoundError:
+        return None
+    return status.st_mtime_ns, status.st_size
+
+
+def _reason(exc: Exception) -> str:
+    """Spark's reason for ending a stage, on one line."""
     java = getattr(exc, "java_exception", None)  # py4j's; pyspark's own say it in str()
     text = str(java.getMessage()) if java is not None else str(exc)
     text = text.partition("Most recent failure reason:")[2] or text
-    reason = " ".join(" ".join(text.split("\n")[:2]).split())
-    path = output / CHECKPOINT
-    saved = Checkpoint.load(path).loop["epoch"] if path.exists() else None
-    then = "run it again with resume=True (spark-train --resume) to go on from there"
-    return (
-        f"a Spark task of the job failed ({reason}); the job ends; "
-        f"{checkpoint_kept(output, saved)}: {then if saved else 'fix it, then run it again'}"
-    )
+    return " ".join(" ".join(text.split("\n")[:2]).split())
 
 
 def _result(rows: list[Any]) -> Any:
