@@ -7,7 +7,6 @@ on every host is a requirement anyway. The probes' answers are then compared her
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import shutil
@@ -43,14 +42,8 @@ class Check:
 
 def probe(data: str | None) -> dict[str, Any]:
     """What this host says about itself (runs on every host)."""
-    name = socket.gethostname()
-    try:
-        resolved = socket.gethostbyname(name)
-    except OSError as exc:
-        resolved = f"unresolvable: {exc}"
     return {
-        "hostname": name,
-        "resolves_to": resolved,
+        "hostname": socket.gethostname(),
         "interfaces": {
             nic: [a.address for a in addresses if a.family == socket.AF_INET]
             for nic, addresses in psutil.net_if_addrs().items()
@@ -231,17 +224,6 @@ def host_checks(
             Check("same versions as here", h.host, same, shown,
                   "install the same hvd-cpu, torch and Horovod everywhere (launch/install.sh)")
         )  # fmt: skip
-    resolved = answer["resolves_to"]
-    own = {a for addresses in answer["interfaces"].values() for a in addresses}
-    loopback = resolved.startswith("unresolvable") or ipaddress.ip_address(resolved).is_loopback
-    ok = not several or (not loopback and resolved in own)
-    checks.append(
-        Check(
-            "own hostname resolves", h.host, ok, f"{answer['hostname']} -> {resolved}",
-            f"map {answer['hostname']} to its address on the shared network in /etc/hosts of "
-            f"{h.host} (Horovod's Gloo context uses it; 127.x cannot be reached by other hosts)",
-        )
-    )  # fmt: skip
     if data is not None:
         checks.append(
             Check("data readable", h.host, bool(answer["data_readable"]), str(data),
