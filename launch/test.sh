@@ -30,7 +30,8 @@ else
   # Its whole matrices of bad input, datasets, user models, config files and tracking run
   # two at a time like the main suite; the rest (elastic, faults, namespace hosts, SLURM,
   # speed) one at a time, as they share the namespace hosts' network and measure seconds.
-  tests -m "not slow and not container" -n 2
-  tests -m "slow and not container" -n 2 "${BESIDE_EACH_OTHER[@]}"
-  tests -m "slow and not container" "${BESIDE_EACH_OTHER[@]/#/--ignore=}"
+  # --durations: the slowest tests of each stage, where CI's time can be found.
+  tests -m "not slow and not container" -n 2 --durations=15
+  tests -m "slow and not container" -n 2 --durations=10 "${BESIDE_EACH_OTHER[@]}"
+  tests -m "slow and not container" --durations=25 "${BESIDE_EACH_OTHER[@]/#/--ignore=}"
 fi

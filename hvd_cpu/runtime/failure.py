@@ -83,8 +83,14 @@ def _leave_for_caller(exc: BaseException, rank: int, shown: str, line: str) -> N
 def failure_left_in(folder: Path) -> BaseException | None:
     """The first failure a rank left in `folder`: its exception (RunFailed with its line when
     it was no Exception or did not pickle), caused by the rank's traceback."""
+    record = failure_record_in(folder)
+    return failure_from(record) if record else None
+
+
+def failure_record_in(folder: Path) -> bytes | None:
+    """The record of the first failure a rank left in `folder`, as failure_from reads it."""
     records = sorted(folder.glob("failed-*.pkl"), key=lambda path: path.stat().st_mtime)
-    return failure_from(records[0].read_bytes()) if records else None
+    return records[0].read_bytes() if records else None
 
 
 def failure_from(record: bytes) -> BaseException:

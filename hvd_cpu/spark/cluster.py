@@ -61,14 +61,13 @@ def session(master: str, name: str) -> Any:
                 ) from None
     # The executors' Python: this one (at the same path on every host, as for horovodrun).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    spark = (
+    return (
         SparkSession.builder.master(master)
         .appName(name)
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{LOG_CONFIG}")
         .getOrCreate()
     )
-    return spark
 
 
 def task_slots(spark: Any, wanted: int, until: float | None = None) -> int:

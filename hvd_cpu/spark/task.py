@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import psutil
 
-from hvd_cpu.runtime.failure import FAILURES
+from hvd_cpu.runtime.failure import FAILURES, failure_record_in
 from hvd_cpu.spark.relay import Link
 
 if TYPE_CHECKING:  # Horovod itself is imported by the tasks only
@@ -82,12 +82,11 @@ def _run_rank(
             del own
             code = _start(folder, env, link)
             outcome = Path(folder) / "outcome.pkl"
-            failures = sorted(Path(folder).glob("failed-*.pkl"))
             return _outcome(
                 slot.rank,
                 code,
                 outcome.read_bytes() if outcome.exists() else None,
-                failures[0].read_bytes() if failures else None,
+                failure_record_in(Path(folder)),
             )
     finally:
         if stop_server:

@@ -27,7 +27,7 @@ from hvd_cpu.runtime.failure import failure_from
 from hvd_cpu.spark import cluster
 from hvd_cpu.spark.relay import Relay
 from hvd_cpu.spark.task import OUTCOME_SCHEMA, rank_task
-from hvd_cpu.training.job import checkpoint_kept
+from hvd_cpu.training.job import job_ends
 
 # What config.toml records as --data for a DataFrame that was no parquet path.
 DATAFRAME = Path("spark-dataframe")
@@ -158,10 +158,8 @@ class Training:
 
     def _ends(self) -> str:
         """What the run left to resume from, for the line that ends it."""
-        saved = self._saved_epoch()
-        then = "run it again with resume=True (spark-train --resume) to go on from there"
-        kept = checkpoint_kept(self.config.output, saved)
-        return f"the job ends; {kept}: {then if saved else 'fix it, then run it again'}"
+        resume = "run it again with resume=True (spark-train --resume)"
+        return job_ends(self.config.output, self._saved_epoch(), resume)
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:

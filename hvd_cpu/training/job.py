@@ -147,6 +147,13 @@ def checkpoint_kept(output: Path, saved_epoch: int | None) -> str:
     return "no checkpoint of this run was written"
 
 
+def job_ends(output: Path, saved_epoch: int | None, resume: str) -> str:
+    """The end of the line of a run that failed: what it kept, and what to do next; `resume`
+    says how this kind of run goes on from a checkpoint."""
+    then = f"{resume} to go on from there" if saved_epoch else "run it again"
+    return f"the job ends; {checkpoint_kept(output, saved_epoch)}: fix it, then {then}"
+
+
 def check_finite(metrics: EpochMetrics, config: TrainConfig, saved_epoch: int | None) -> None:
     """Stop a diverging run before it checkpoints or exports parameters that are not finite.
     Every rank sees the same allreduced losses, so every rank stops here together."""

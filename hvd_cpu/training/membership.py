@@ -21,7 +21,7 @@ import torch
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.output.model_files import Checkpoint
 from hvd_cpu.runtime.world import World
-from hvd_cpu.training.job import Job, checkpoint_kept
+from hvd_cpu.training.job import Job, job_ends
 from hvd_cpu.training.prepare import open_output_together
 from hvd_cpu.training.scope import RunScope
 
@@ -75,5 +75,4 @@ class Fixed(Membership):
 
     def after_failure(self, output: Path, job: Job | None) -> str:
         saved = job.saved_epoch if job else None
-        then = "run the same command with --resume to go on from there" if saved else "run it again"
-        return f"the job ends; {checkpoint_kept(output, saved)}: fix it, then {then}"
+        return job_ends(output, saved, "run the same command with --resume")
