@@ -85,8 +85,7 @@ class SparkCluster:
         env = {**self.env, "SPARK_WORKER_DIR": str(self.folder / name)}
         if place is not None:
             env["SPARK_LOCAL_IP"] = place.address
-            # A hostname of the host's own, which resolves there, as on a real host (Horovod's
-            # Gloo resolves it: its process-set device ignores HOROVOD_GLOO_IFACE).
+            # A hostname of the host's own, which resolves there, as on a real host.
             shell = f'hostname {place.name} && exec "$@"'
             command = place.exec("unshare", "--uts", "sh", "-c", shell, "sh", *command)
         self.processes.append(
@@ -136,6 +135,19 @@ class SparkCluster:
                     if "CoarseGrainedExecutorBackend" in " ".join(child.cmdline()):
                         found.append(child)
         return found
+
+    def kill_executor(self) -> int:
+        """Kill (SIGKILL) the last executor; its pid. Its worker starts the application another."""
+        executor = self.executors()[-1]
+        executor.kill()
+        return executor.pid
+
+    def kill_worker(self) -> int:
+        """Kill the last worker's session (SIGKILL: the worker, its executor and their Python
+        workers), as when its host dies; the worker's pid."""
+        worker = self.processes[-1]
+        os.killpg(worker.pid, signal.SIGKILL)
+        return worker.pid
 
     def __exit__(self, *exc: object) -> None:
         """Kill each daemon's session: the daemon, its executors and their Python workers."""
