@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -155,6 +156,36 @@ class Breaks(nn.Module):
         if self.training and self.steps > 20 and os.environ.get("HOROVOD_RANK") == "1":
             raise ValueError("rank 1's model broke")
         return self.net(x)
+
+
+@pytest.mark.slow
+def test_a_rank_process_killed_under_elastic_goes_on(
+    spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rank's process killed from outside (as the out-of-memory killer does), its task
+    alive: with elastic=True the job starts its stage again from its checkpoint, on all its
+    ranks (no task slot was lost)."""
+    frame = spark.createDataFrame(table(40_000)).repartition(RANKS)
+    output, killed = tmp_path / "killed", []
+    killer = threading.Thread(target=_kill_after, args=(output, 2, _kill_a_rank, killed))
+    killer.start()
+    capsys.readouterr()
+    result = hvd_spark.fit(frame, num_proc=RANKS, output=output, epochs=20, elastic=True)
+    killer.join()
+    assert killed, "no rank process was killed"
+    said = capsys.readouterr().err
+    assert re.search(
+        r"hvd-cpu: rank \d's process ended \(killed by signal 9\); going on \(elastic, "
+        r"restart 1 of at most 3\) on 4 ranks, from epoch \d+'s checkpoint", said
+    ), said  # fmt: skip
+    assert result.history["epoch"].iloc[-1] == 20
+    assert not processes_naming(RANK_PROCESS, grace=30)
+
+
+def _kill_a_rank() -> int:
+    pid = processes_naming(RANK_PROCESS)[-1]
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 @pytest.mark.slow

@@ -72,14 +72,15 @@ def fit(
     return fit_result(_result(rows), config.output)
 
 
-class TaskLost(Exception):
-    """Spark ended the job's stage: a task was lost (its executor killed, say). Spark does
-    not start a failed barrier result stage again."""
+class RankLost(Exception):
+    """A rank was lost: Spark ended the stage for a lost task (its executor killed, say; Spark
+    does not start a failed barrier result stage again), or a rank's process was killed (the
+    out-of-memory killer, say). What happened, in words."""
 
 
 class Training:
     """One training job on the executors: a barrier stage of one task per rank, run once,
-    or (elastic) again after a lost task, from this job's last checkpoint, on the task slots
+    or (elastic) again after a lost rank, from this job's last checkpoint, on the task slots
     there are then. Spark computes a lost partition again from the frame's lineage, so no
     rows are lost with an executor."""
 
@@ -90,44 +91,42 @@ class Training:
         self.found = _stamp(self.checkpoint)  # an earlier run's checkpoint is not this job's
 
     def once(self, num_proc: int) -> list[Any]:
-        """The stage's rows, by rank; RunFailed when a task was lost."""
+        """The stage's rows, by rank; RunFailed when a rank was lost."""
         try:
             return self._stage(self.config, num_proc)
-        except TaskLost as lost:
-            raise RunFailed(f"a Spark task of the job failed ({lost}); {self._ends()}") from lost
+        except RankLost as lost:
+            raise RunFailed(f"{lost}; {self._ends()}") from lost
 
     def going_on(self, num_proc: int) -> list[Any]:
-        """As `once`, but after a lost task the job goes on by itself (up to max_restarts
+        """As `once`, but after a lost rank the job goes on by itself (up to max_restarts
         times), with as many ranks as there are task slots, at most `num_proc`."""
         config, ranks, most, restart = self.config, num_proc, self.config.max_restarts, 0
         while True:
             try:
                 return self._stage(config, ranks)
-            except TaskLost as lost:
+            except RankLost as lost:
                 restart += 1
                 if restart > most:
                     raise RunFailed(
-                        f"a Spark task of the job failed ({lost}) after {most} restart(s) "
-                        f"(max_restarts, --max-restarts); {self._ends()}"
+                        f"{lost} after {most} restart(s) (max_restarts, --max-restarts); "
+                        f"{self._ends()}"
                     ) from lost
                 saved = self._saved_epoch()
                 if saved:
                     config = replace(self.config, resume=True, overwrite=False)
-                ranks = min(num_proc, self._slots_again(num_proc))
+                ranks = min(num_proc, self._slots_again(num_proc, lost))
                 start = f"from epoch {saved}'s checkpoint" if saved else "from the start"
                 say(
-                    f"hvd-cpu: a Spark task of the job failed ({lost}); going on (elastic, "
-                    f"restart {restart} of at most {most}) on {ranks} ranks, {start}",
+                    f"hvd-cpu: {lost}; going on (elastic, restart {restart} of at most "
+                    f"{most}) on {ranks} ranks, {start}",
                     sys.stderr,
                 )
 
-    def _slots_again(self, wanted: int) -> int:
+    def _slots_again(self, wanted: int, lost: RankLost) -> int:
         """The task slots once the cluster has had time to replace a lost executor."""
         slots = cluster.task_slots(self.spark, wanted, until=time.time() + REPLACE_SECONDS)
         if slots < 1:
-            raise RunFailed(
-                f"a Spark task of the job failed and no task slot is left; {self._ends()}"
-            )
+            raise RunFailed(f"{lost}, and no task slot is left; {self._ends()}")
         return slots
 
     def _stage(self, config: TrainConfig, num_proc: int) -> list[Any]:
@@ -145,9 +144,11 @@ class Training:
                     rank_task(job, self.columns, driver), OUTCOME_SCHEMA, barrier=True
                 ).collect()
             except Exception as exc:
-                raise TaskLost(_reason(exc)) from exc
+                raise RankLost(f"a Spark task of the job failed ({_reason(exc)})") from exc
             finally:
                 context.setJobDescription(None)
+        if not any(row.outcome is not None or row.failure is not None for row in rows):
+            raise RankLost(_killed(rows))  # no rank had its say: one was ended from outside
         return sorted(rows, key=lambda row: row.rank)
 
     def _saved_epoch(self) -> int | None:
@@ -169,6 +170,13 @@ def _stamp(path: Path) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return status.st_mtime_ns, status.st_size
+
+
+def _killed(rows: list[Any]) -> str:
+    """Which rank's process ended first (by a signal, before the others that then lost it)."""
+    first = min(rows, key=lambda row: (row.code >= 0, row.rank))
+    how = f"killed by signal {-first.code}" if first.code < 0 else f"exit code {first.code}"
+    return f"rank {first.rank}'s process ended ({how})"
 
 
 def _reason(exc: Exception) -> str:
