@@ -115,7 +115,7 @@ class Training:
                 if saved:
                     config = replace(self.config, resume=True, overwrite=False)
                 ranks = min(num_proc, self._slots_again(num_proc, lost))
-                start = f"from epoch {saved}'s checkpoint" if saved else "from the start"
+                start = f"from epoch {saved}'s checkpoint" if saved else self._first_start()
                 say(
                     f"hvd-cpu: {lost}; going on (elastic, restart {restart} of at most "
                     f"{most}) on {ranks} ranks, {start}",
@@ -156,6 +156,10 @@ class Training:
         if _stamp(self.checkpoint) in (None, self.found):
             return None
         return int(Checkpoint.load(self.checkpoint).loop["epoch"])
+
+    def _first_start(self) -> str:
+        """Where the job starts again when it wrote no checkpoint: where it started."""
+        return "from the checkpoint it resumed" if self.config.resume else "from the start"
 
     def _ends(self) -> str:
         """What the run left to resume from, for the line that ends it."""
