@@ -37,6 +37,10 @@ def test_ranks_on_two_hosts(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "Epoch 3:" in done.stdout
     ranks = json.loads((tmp_path / "run" / "ranks.json").read_text())
-    assert [rank["host"] for rank in ranks] == ["sparkhosta"] * 2 + ["sparkhostb"] * 2
+    # Two consecutive ranks on each host, as horovodrun lays them out; which host holds
+    # rank 0 is Spark's choice (where partition 0's task runs).
+    hosts_by_rank = [rank["host"] for rank in sorted(ranks, key=lambda rank: rank["rank"])]
+    assert sorted(hosts_by_rank) == ["sparkhosta"] * 2 + ["sparkhostb"] * 2, hosts_by_rank
+    assert hosts_by_rank[0] == hosts_by_rank[1] != hosts_by_rank[2] == hosts_by_rank[3]
     assert len({rank["param_sha256"] for rank in ranks}) == 1  # one model, averaged across
     assert sum(rank["rows_read"] for rank in ranks) == 8000  # each its own partition
