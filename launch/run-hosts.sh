@@ -40,10 +40,11 @@ launcher=("--$controller" -np "$np" -H "$hosts" --start-timeout "${START_TIMEOUT
 [[ -n ${SSH_KEY:-} ]] && launcher+=(-i "$SSH_KEY")
 [[ -n ${NIC:-} ]] && launcher+=(--network-interface "$NIC")
 if [[ $controller == mpi ]]; then
-  # mpirun starts orted over its own ssh, which (unlike horovodrun's) checks host keys: once
-  # horovodrun has cached its ssh check it no longer records them, and an unknown host then
-  # fails with "Host key verification failed". Same options as horovodrun's ssh.
-  export OMPI_MCA_plm_rsh_agent=${OMPI_MCA_plm_rsh_agent:-ssh -o PasswordAuthentication=no -o StrictHostKeyChecking=no}
+  # mpirun starts orted over its own ssh, which by default asks about a host key it does not
+  # know and, without a terminal, fails with "Host key verification failed" (horovodrun's
+  # cached ssh check no longer records them). Same options as horovodrun's ssh: a host's key
+  # is recorded on first contact and checked from then on.
+  export OMPI_MCA_plm_rsh_agent=${OMPI_MCA_plm_rsh_agent:-ssh -o PasswordAuthentication=no -o StrictHostKeyChecking=accept-new}
   # Without NIC horovodrun finds the common interface and restricts MPI's data (btl) to it;
   # the daemons' control channel (oob) then still tries every address mpirun's host has.
   [[ -n ${NIC:-} ]] && launcher+=(--mpi-args "-mca oob_tcp_if_include $NIC")

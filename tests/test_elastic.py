@@ -215,24 +215,32 @@ def test_a_killed_rank_is_a_lost_rank_not_a_stall(tmp_path: Path) -> None:
 DROPPED_CLIENT = """
 import socket, struct, sys, threading
 from http.server import HTTPServer
+from horovod.runner.http import http_auth
 from horovod.runner.http.http_server import KVStoreHandler, KVStoreHTTPServer
 
+KEY = bytes(32)
+
 class Unpatched(HTTPServer):
-    def __init__(self, addr, handler, verbose):
+    def __init__(self, addr, handler, verbose, key):
         super().__init__(addr, handler)
         self.cache_lock, self.cache = threading.Lock(), {}
+        self.checker = http_auth.Checker(key)
 
 server = {"patched": KVStoreHTTPServer, "unpatched": Unpatched}[sys.argv[1]](
-    ("127.0.0.1", 0), KVStoreHandler, False
+    ("127.0.0.1", 0), KVStoreHandler, False, KEY
 )
 server.cache["scope"] = {"key": b"x" * (64 << 20)}
 serving = threading.Thread(target=server.handle_request)
 serving.start()
 client = socket.create_connection(server.server_address)
-client.sendall(b"GET /scope/key HTTP/1.0\\r\\n\\r\\n")
+auth, _ = http_auth.Signer(KEY).request("GET", server.server_address[1], "/scope/key", b"")
+client.sendall(f"GET /scope/key HTTP/1.0\\r\\nX-Horovod-Auth: {auth}\\r\\n\\r\\n".encode())
 client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 client.close()  # a reset mid-answer, as when a rank dies while fetching from the launcher
 serving.join()
+for thread in threading.enumerate():  # the request's own thread, where the server is threaded
+    if thread is not threading.current_thread():
+        thread.join(30)
 """
 
 

@@ -28,6 +28,7 @@ from horovod.common.elastic import State, notification_manager
 from horovod.common.exceptions import HostsUpdatedInterrupt
 
 from hvd_cpu.runtime.collectives import Collectives
+from hvd_cpu.runtime.secret import JOB_KEY
 from hvd_cpu.runtime.world import SHARED_MEMORY
 
 WAKE_ON_WAIT_PATCH = f"horovod-{horovod.__version__}-wake-on-wait.patch"
@@ -273,20 +274,26 @@ def lay_out(hosts: list[tuple[str, int]]) -> list[Slot]:
     ]
 
 
-def serve_rendezvous(hosts: list[tuple[str, int]]) -> tuple[Callable[[], None], int]:
+def serve_rendezvous(
+    hosts: list[tuple[str, int]], key: bytes, address: str
+) -> tuple[Callable[[], None], int]:
     """Start the rendezvous server the ranks of `hosts` meet at (Gloo's, as horovodrun starts
-    it); (how to stop it, its port)."""
+    it), listening on `address` only and answering only requests signed with the job's `key`
+    (our build's signed-rendezvous patch); (how to stop it, its port)."""
     from horovod.runner.http.http_server import RendezvousServer
 
-    server = RendezvousServer()
-    port = server.start()
+    server = RendezvousServer(key=key)
+    port = server.start(address=address)
     server.init(_assignments(hosts))
     return server.stop, port
 
 
-def gloo_environment(slot: Slot, server: str, port: int, interface: str | None) -> dict[str, str]:
+def gloo_environment(
+    slot: Slot, server: str, port: int, interface: str | None, key: bytes
+) -> dict[str, str]:
     """The environment horovodrun gives a Gloo rank at `slot` (its gloo_run), the rendezvous
-    at server:port; `interface`: the network interface its peers reach it on."""
+    at server:port; `interface`: the network interface its peers reach it on; `key`: the job's
+    secret, which its rendezvous requests are signed with."""
     env = {"RENDEZVOUS_ADDR": server, "RENDEZVOUS_PORT": port} | (
         {"IFACE": interface} if interface else {}
     )
@@ -296,5 +303,5 @@ def gloo_environment(slot: Slot, server: str, port: int, interface: str | None) 
     return (
         {f"HOROVOD_GLOO_{name}": str(value) for name, value in env.items()}
         | {f"HOROVOD_{name}": str(value) for name, value in place.items()}
-        | {"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
+        | {"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", JOB_KEY: key.hex()}
     )

@@ -108,7 +108,7 @@ def ssh_probe(
     """Run `probe` on `host` over ssh; the answer, or why ssh failed."""
     command = [
         "ssh", "-o", "BatchMode=yes", "-o", "PasswordAuthentication=no",
-        "-o", "StrictHostKeyChecking=no", "-o", "ConnectTimeout=5", "-o", "LogLevel=ERROR",
+        "-o", "StrictHostKeyChecking=accept-new", "-o", "ConnectTimeout=5", "-o", "LogLevel=ERROR",
     ]  # fmt: skip
     if port:
         command += ["-p", str(port)]
