@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from hvd_cpu.atomic import check_own_folder
 from hvd_cpu.config.options import DEMO_FEATURES, TrainConfig
 from hvd_cpu.data.demo import make_demo_frame
 from hvd_cpu.data.features import FeatureTransform
@@ -166,13 +167,15 @@ def predict(
     data: pd.DataFrame,
     id_column: str | None = None,
     model: type[nn.Module] | Callable[..., nn.Module] | None = None,
+    trust_code: bool = False,
 ) -> pd.DataFrame:
     """Predictions for `data` from a run's folder (or its model.pt), as `hvd-cpu predict`
     writes them. `model`: the class or function the run was trained with, when it was
-    defined in a notebook or script (its model.pt names it `__main__:Name`)."""
+    defined in a notebook or script (its model.pt names it `__main__:Name`). `trust_code`:
+    run the code a model.pt names although no training of yours sealed it (`--trust-code`)."""
     code = {user_code.label_of(model, "model"): model} if model is not None else {}
     with user_code.provided(code):
-        trained, transform = load_model(Path(run))
+        trained, transform = load_model(Path(run), trust_code)
     return FitResult(trained, pd.DataFrame(), transform, Path(run)).predict(data, id_column)
 
 
@@ -203,6 +206,7 @@ def benchmark(
     if launch_rank_known():
         raise InputError("hvd-cpu bench launches its own jobs: run it without horovodrun")
     output = Path(output).absolute()
+    check_own_folder(output)
     if (output / "bench.json").exists() and not overwrite:
         raise InputError(f"{output} holds an earlier bench; pass --overwrite or another --output")
     if not batch_sizes:

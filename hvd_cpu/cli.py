@@ -139,6 +139,12 @@ def spark_train(master: str, num_proc: int | None, **options: Any) -> None:
 )
 @click.option("--id", "id_column", help="A column of --data to copy into the output.")
 @click.option("--overwrite", is_flag=True, help="Replace --output if it exists.")
+@click.option(
+    "--trust-code",
+    is_flag=True,
+    help="Run the model code a model.pt names although no training of yours sealed it (one "
+    "from another user or host, or an older hvd-cpu): only for code you trust.",
+)
 def predict(**options: object) -> None:
     """Predict with a trained model. Runs alone or under horovodrun (rows are shared out,
     rank 0 writes one output in the input's order)."""

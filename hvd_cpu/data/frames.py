@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import csv
 import errno
+import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from hvd_cpu.atomic import atomic_write
+from hvd_cpu.atomic import NO_LINK, atomic_write, check_own_folder
 from hvd_cpu.config.formats import EXTENSIONS
 from hvd_cpu.data.columns import check_unique_columns, row_batches, text_column_names
 from hvd_cpu.data.parquet import Pieces
@@ -182,12 +184,13 @@ def open_rows(path: Path, fmt: str | None = None, encoding: str | None = None) -
 def probe_folder(folder: Path, name: str = ".hvd-cpu-write-test") -> None:
     """Before the work, not after it: that a file `name` can be made in `folder`, folders made
     as needed (raises the OSError). Folders made only to test this go again: the run makes them
-    when it has something to write, so one that stops on bad input leaves none behind."""
+    when it has something to write, so one that stops on bad input leaves none behind. The
+    probe is a new file of a name no one can guess, so nothing planted there is touched."""
     made = [parent for parent in (folder, *folder.parents) if not parent.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / name
-        probe.touch()
+        probe = folder / f"{name}.{secrets.token_hex(8)}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_LINK, 0o666))
         probe.unlink()
     finally:
         for parent in made:  # the deepest first
@@ -196,7 +199,9 @@ def probe_folder(folder: Path, name: str = ".hvd-cpu-write-test") -> None:
 
 
 def check_writable(path: Path) -> None:
-    """That the file `path` can be written (probe_folder on its folder), or why not."""
+    """That the file `path` can be written (probe_folder on its folder) into a folder of this
+    user's own, or why not."""
+    check_own_folder(path.parent)
     try:
         probe_folder(path.parent, f".{path.name}.hvd-cpu-write-test")
     except OSError as exc:

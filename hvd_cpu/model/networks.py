@@ -66,9 +66,10 @@ OUTPUT_PARAMETERS = (
 ANY_ARGUMENTS = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
 
-def load_model_factory(spec: str) -> Callable[..., nn.Module]:
-    """`MODULE:NAME` or `FILE.py:NAME` -> a torch.nn.Module subclass, or a function making one."""
-    factory = import_object(spec, "--model")
+def load_model_factory(spec: str, found: Any = None) -> Callable[..., nn.Module]:
+    """`MODULE:NAME` or `FILE.py:NAME` -> a torch.nn.Module subclass, or a function making one;
+    `found`: the object the spec names, already imported (by predict, after its checks)."""
+    factory = import_object(spec, "--model") if found is None else found
     if isinstance(factory, type) and not issubclass(factory, nn.Module):
         raise InputError(f"--model {spec!r}: {factory.__name__} is not a torch.nn.Module subclass")
     if not callable(factory):
@@ -125,12 +126,17 @@ def model_arguments(
 
 
 def build_user_model(
-    spec: str, n_features: int, n_outputs: int, model_args: dict[str, Any] | None = None
+    spec: str,
+    n_features: int,
+    n_outputs: int,
+    model_args: dict[str, Any] | None = None,
+    found: Any = None,
 ) -> nn.Module:
     """Build the user's model from what its constructor asks for and check, before any rank
     trains, what training needs of it: one row of n_outputs per input row whatever the batch
-    size, and an output that gradients flow back from into parameters."""
-    factory = load_model_factory(spec)
+    size, and an output that gradients flow back from into parameters. A class is checked to
+    be a Module before it is called, a function's result after."""
+    factory = load_model_factory(spec, found)
     arguments = model_arguments(factory, n_features, n_outputs, model_args or {})
     name = getattr(factory, "__name__", spec)
     built = f"{name}({', '.join(f'{k}={v!r}' for k, v in arguments.items())})"
@@ -180,6 +186,23 @@ def build_model(
     if model:
         return build_user_model(model, n_features, n_outputs, model_args)
     return Network(n_features, tuple(hidden), n_outputs, activation)
+
+
+def mlp_from_record(record: dict[str, Any], state_dict: dict[str, Any]) -> Network:
+    """The built-in MLP of a model file, from its numbers alone (each checked; nothing named
+    in the file is imported or called), holding the file's weights. Built on the meta device
+    and given the weights in place: a record whose sizes do not fit its weights fails in
+    load_state_dict before any memory is spent on the sizes it claims."""
+    hidden, activation = record.get("hidden"), record.get("activation")
+    if not isinstance(hidden, (list, tuple)) or activation not in ACTIVATIONS:
+        raise ValueError(f"hidden {hidden!r} or activation {activation!r} is not the MLP's")
+    sizes = [record.get("n_features"), *hidden, record.get("n_outputs")]
+    if not all(type(size) is int and size > 0 for size in sizes):
+        raise ValueError(f"the MLP's layer sizes {sizes!r} are not all positive integers")
+    with torch.device("meta"):
+        network = Network(sizes[0], tuple(sizes[1:-1]), sizes[-1], activation)
+    network.load_state_dict(state_dict, assign=True)
+    return network
 
 
 def parameter_digest(model: nn.Module) -> str:

@@ -26,10 +26,9 @@ USER_PACKAGE = "hvd_cpu_user"
 _received: dict[str, Any] = {}
 
 
-def import_object(spec: str, option: str) -> Any:
-    """The object `spec` names; every way that can fail is one line naming `option`."""
-    if spec in _received:
-        return _received[spec]
+def split_spec(spec: str, option: str) -> tuple[str, str]:
+    """(where, NAME) of a spec that could name importable code; refuses, naming `option`, one
+    that cannot (a notebook's own class is only ever the object itself)."""
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise InputError(f"{option} {spec!r} is not MODULE:NAME or FILE.py:NAME")
@@ -39,8 +38,27 @@ def import_object(spec: str, option: str) -> Any:
             f"here: from Python pass the object itself ({option.strip('-')}={name}), or move it "
             f"into a file and name it FILE.py:{name}"
         )
+    return where, name
+
+
+def check_file(where: str, option: str) -> None:
+    """A FILE.py spec's file must be there."""
     if where.endswith(".py") and not Path(where).is_file():
         raise InputError(f"{option} file not found: {where}; check the path on every host")
+
+
+def given(spec: str) -> bool:
+    """Whether this process was handed the object `spec` names (fit()'s or predict()'s
+    caller's own, or shipped to this rank): the caller's code, found without importing."""
+    return spec in _received
+
+
+def import_object(spec: str, option: str) -> Any:
+    """The object `spec` names; every way that can fail is one line naming `option`."""
+    if spec in _received:
+        return _received[spec]
+    where, name = split_spec(spec, option)
+    check_file(where, option)
     # What the module prints while it imports is held back: when the import fails, each rank
     # would print it, and the error is what the user needs to see.
     out, err = io.StringIO(), io.StringIO()

@@ -7,6 +7,9 @@
 Both are plain dicts of containers and tensors on disk, loaded with
 `torch.load(..., weights_only=True)`: loading one never runs code, and the runs of earlier
 versions load as they are. In memory they are the records below, so no caller spells a key.
+A model.pt whose model is the user's own code also records the sha256 of that code's file,
+and seals its architecture with this user's key (output/seal.py): what predict may run of it
+is decided in output/model_code.py.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import torch
 
 from hvd_cpu.atomic import atomic_write
 from hvd_cpu.errors import InputError
+from hvd_cpu.model.code_source import recorded_sha256
 from hvd_cpu.model.user_code import portable_spec
+from hvd_cpu.output import seal
 
 if TYPE_CHECKING:
     from torch import nn
@@ -109,34 +114,53 @@ class ModelFile:
 
     state_dict: dict[str, Any]
     features: dict[str, Any]  # FeatureTransform.to_dict()
-    architecture: dict[str, Any]  # models.build_model's arguments
+    # The MLP's numbers, or the user's code (its spec, its file's code_sha256), its arguments.
+    architecture: dict[str, Any]
     config: dict[str, Any] = field(default_factory=dict)  # the training's options, for people
+    seal: str = ""  # seal.seal(architecture) when it names code; "" before seals, or none made
 
     @classmethod
     def export(
         cls, config: TrainConfig, model: nn.Module, transform: FeatureTransform
     ) -> ModelFile:
+        spec = config.model and portable_spec(config.model)
+        architecture = {
+            "model": spec,
+            "model_args": config.model_args,
+            "hidden": list(config.hidden),
+            "activation": config.activation,
+            "n_features": transform.n_features,
+            "n_outputs": transform.n_outputs,
+        }
+        if spec:
+            architecture["code_sha256"] = recorded_sha256(spec)
         return cls(
             state_dict=model.state_dict(),
             features=transform.to_dict(),
-            architecture={
-                "model": config.model and portable_spec(config.model),
-                "model_args": config.model_args,
-                "hidden": list(config.hidden),
-                "activation": config.activation,
-                "n_features": transform.n_features,
-                "n_outputs": transform.n_outputs,
-            },
+            architecture=architecture,
             config=config.to_dict(),
+            seal=seal.seal(architecture) if spec else "",
         )
 
+    def sealed(self) -> bool:
+        """Whether one of this user's runs recorded this architecture (seal.py)."""
+        return seal.verify(self.architecture, self.seal)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"format": MODEL_FORMAT, **{f.name: getattr(self, f.name) for f in fields(self)}}
+        """The file's contents; the MLP's, with no code to seal, as earlier versions wrote."""
+        saved = {"format": MODEL_FORMAT, **{f.name: getattr(self, f.name) for f in fields(self)}}
+        if not self.seal:
+            del saved["seal"]
+        return saved
 
     @classmethod
     def from_dict(cls, saved: Any, path: Path) -> ModelFile:
         """Refuse, in one line, a file that loads but was not exported by hvd-cpu train."""
-        if _missing(saved, cls, optional=("config",)) or saved.get("format") != MODEL_FORMAT:
+        if (
+            _missing(saved, cls, optional=("config", "seal"))
+            or saved.get("format") != MODEL_FORMAT
+            or not isinstance(saved["architecture"], dict)
+        ):
             raise InputError(
                 f"{path} is not a model exported by hvd-cpu train; pass --model the --output "
                 "folder of hvd-cpu train, or its model.pt"

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from hvd_cpu.atomic import atomic_write
+from hvd_cpu.atomic import append, atomic_write
 from hvd_cpu.config.files import RECORD, record
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.lines import say
@@ -45,8 +45,8 @@ class Records:
         config.toml holds the options that repeat the run."""
         for note in notes:
             say(f"hvd-cpu: {note}", sys.stderr)
-        self.output.mkdir(parents=True, exist_ok=True)
-        self.metrics_path.write_text("".join(json.dumps(h) + "\n" for h in history))
+        text = "".join(json.dumps(h) + "\n" for h in history)
+        atomic_write(self.metrics_path, lambda handle: handle.write(text.encode()))
         record(self.config, self.output / RECORD)
 
     def progress(self, epoch: int, batches: int) -> Progress | None:
@@ -61,8 +61,7 @@ class Records:
             self.bar = None
         if not self.config.quiet:
             say(metrics.line())
-        with self.metrics_path.open("a") as handle:
-            handle.write(json.dumps(metrics.record()) + "\n")
+        append(self.metrics_path, (json.dumps(metrics.record()) + "\n").encode())
         self.tracking.epoch(metrics)
 
     def close(self, failed: bool) -> None:

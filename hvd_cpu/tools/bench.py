@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from hvd_cpu.atomic import atomic_write
 from hvd_cpu.config.cli_options import command_words
 from hvd_cpu.config.options import CONTROLLER_NAMES, TrainConfig
 from hvd_cpu.errors import InputError, RunFailed
@@ -370,15 +371,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
     split.set_xlabel("ms per step (one rank)")
     split.legend()
     figure.suptitle(f"hvd-cpu bench: {report['model']}, {report['machine']['cores']} cores")
-    figure.savefig(path)
+    atomic_write(path, lambda handle: figure.savefig(handle, format="png"))
 
 
 def write(report: dict[str, Any], output: Path) -> None:
     """bench.json and bench.png in `output`; a failed write after the measurements (a full
     disk) is one line, as in training."""
     try:
-        output.mkdir(parents=True, exist_ok=True)
-        (output / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+        text = json.dumps(report, indent=2) + "\n"
+        atomic_write(output / "bench.json", lambda handle: handle.write(text.encode()))
         plot(report, output / "bench.png")
     except OSError as exc:
         raise RunFailed(

@@ -23,7 +23,8 @@ from hvd_cpu.data.frames import InMemory, check_writable, format_of, open_rows, 
 from hvd_cpu.data.loader import rank_block
 from hvd_cpu.data.parquet import Pieces
 from hvd_cpu.errors import InputError
-from hvd_cpu.model.networks import EVAL_ROWS, build_model, outputs
+from hvd_cpu.model.networks import EVAL_ROWS, outputs
+from hvd_cpu.output.model_code import rebuild, trusted_source
 from hvd_cpu.output.model_files import ModelFile
 from hvd_cpu.runtime import failure, join
 from hvd_cpu.runtime.lifecycle import launch_rank_known
@@ -42,6 +43,7 @@ class PredictConfig:
     encoding: str | None = None
     id_column: str | None = None
     overwrite: bool = False
+    trust_code: bool = False  # run the code an unsealed model file names (output/model_code.py)
 
     def __post_init__(self) -> None:
         check_encoding(self.encoding)
@@ -58,7 +60,7 @@ def load(
         raise InputError(f"{config.output} exists; pass --overwrite to replace it")
     if world.is_root:
         check_writable(config.output)
-    model, transform = load_model(config.model_path)
+    model, transform = load_model(config.model_path, config.trust_code)
     rows = open_rows(config.data, config.format, config.encoding)
     return model, transform, rows
 
@@ -75,15 +77,17 @@ def block_of(
     return block
 
 
-def load_model(path: Path) -> tuple[nn.Module, FeatureTransform]:
-    """The exported model with its weights. A file that loads but whose parts do not fit
-    together was damaged or written by another version: one line, not a traceback."""
+def load_model(path: Path, trust_code: bool = False) -> tuple[nn.Module, FeatureTransform]:
+    """The exported model with its weights, running only the code it may
+    (output/model_code.py; `trust_code`: an unsealed file's too). A file that loads but whose
+    parts do not fit together was damaged or written by another version: one line, not a
+    traceback."""
     artifact = ModelFile.load(path)
+    source = trusted_source(artifact, path, trust_code)
     try:
         transform = FeatureTransform.from_dict(artifact.features)
-        model = build_model(**artifact.architecture)
-        model.load_state_dict(artifact.state_dict)
-    except InputError as exc:  # the user's class, as build_model reports it
+        model = rebuild(artifact, source)
+    except InputError as exc:  # the user's class, as build_user_model reports it
         raise InputError(f"{path} needs the class it was trained with: {exc}") from exc
     except Exception as exc:
         raise InputError(

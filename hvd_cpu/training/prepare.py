@@ -16,6 +16,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from hvd_cpu.atomic import check_own_folder
 from hvd_cpu.config.options import DEMO_FEATURES, DEMO_ROWS, TrainConfig
 from hvd_cpu.data.agreement import check_same_data
 from hvd_cpu.data.demo import make_demo_frame
@@ -31,7 +32,7 @@ from hvd_cpu.data.parquet import Pieces
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.losses import Loss, build_loss, check_loss
 from hvd_cpu.model.networks import build_model
-from hvd_cpu.output import tracking
+from hvd_cpu.output import seal, tracking
 from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
 from hvd_cpu.runtime.world import World
 
@@ -59,11 +60,15 @@ def open_output(
     config: TrainConfig, world: World, scope: RunScope | None = None
 ) -> Checkpoint | None:
     """Rank 0: refuse to overwrite an earlier run's checkpoint, or load it for --resume; check
-    that the tracking asked for can log (only rank 0 logs); with the run's `scope`, hold the
+    that the tracking asked for can log (only rank 0 logs), that the folder is this user's
+    own, and that the user's model code can be sealed; with the run's `scope`, hold the
     folder for it (not under --elastic, whose rank 0 may move to another process)."""
     if not world.is_root:
         return None
     tracking.check(config)
+    check_own_folder(config.output)
+    if config.model:  # the model.pt it exports is sealed with this user's key
+        seal.ready_key()
     try:
         probe_folder(config.output)
     except OSError as exc:
