@@ -29,6 +29,14 @@ A peer is watched only once its first heartbeat has arrived: a network that bloc
 between hosts turns the watch off for that peer (with one line) instead of ending healthy
 jobs. A rank that leaves normally says so with a last datagram, and the rank that names a
 stall tells the others before it exits, so that none of them names its exit a second time.
+
+A rank hears its own job only. Its socket listens on one address, the one its peers send to:
+127.0.0.1 when every rank is on one host, else its address on the job's network
+(runtime/reach.py says which). Each datagram is numbered and signed under a key of the watch's
+own (runtime/heartbeat.py): a datagram forged, replayed, of another job or from anyone but
+the peer is dropped unread, so no one outside the job can end it (FAILED, NAMED), switch the
+watch of a rank off (LEAVING) or hide a rank's silence (an old BEAT again). The thread takes
+in DRAIN datagrams at most per wake-up, so a flood of them cannot keep it from beating.
 """
 
 from __future__ import annotations
@@ -39,28 +47,24 @@ import secrets
 import select
 import signal
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 
 from hvd_cpu.lines import say
-from hvd_cpu.runtime.collectives import Collectives
+from hvd_cpu.runtime import heartbeat, reach, secret
+from hvd_cpu.runtime.heartbeat import BEAT, FAILED, LEAVING, NAMED
 from hvd_cpu.runtime.lifecycle import ending, exit_now
+from hvd_cpu.runtime.reach import BOOT_ID, LOOPBACK
+from hvd_cpu.runtime.world import World
 
-# The datagram: the job's token, the sender's rank, the addressee's rank, what the sender says,
-# how many collectives it has entered and whether it is inside one. It says: a heartbeat, that
-# it leaves normally (stop watching it), that it has named the stall that ends the job, or that
-# it failed and has said so (both: the others end without a word; under --elastic the failed
-# one is a lost rank).
-DATAGRAM = struct.Struct("!16sIIBQ?")
-BEAT, LEAVING, NAMED, FAILED = 0, 1, 2, 3
 # Times a rank that fails sends it: a datagram may be lost between hosts.
 FAILED_SENDS = 3
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+# Datagrams taken in at most per wake-up of the thread: a flood of them (forged, dropped)
+# cannot keep it from beating.
+DRAIN = 32
 # Seconds the ranks that see a stall but do not report it wait before they exit too (the
 # launcher usually ends them first, when the reporting rank exits).
 REPORTER_LEAD = 5.0
@@ -76,11 +80,12 @@ class Peer:
     """Where a rank listens for heartbeats and how to recognise its process."""
 
     host: str
-    addresses: tuple[str, ...]
+    address: str | None  # the one address it is sent to (runtime/reach.py); None: not sent to
     port: int
     pid: int
     started: float  # the process's start time: a pid reused later is not the same process
     kernel: str  # boot id and pid namespace: equal means the pid names the same process here
+    fingerprint: bytes  # of the heartbeat key it holds (runtime/heartbeat.py)
 
     def describe(self, rank: int) -> str:
         return f"rank {rank} on {self.host} (pid {self.pid})"
@@ -95,16 +100,13 @@ def this_kernel() -> str:
         return f"unknown:{secrets.token_hex(8)}"  # never equal to another's: never kill
 
 
-def reachable_addresses() -> tuple[str, ...]:
-    """Every IPv4 address of this machine: a peer sends to each, the one its network reaches
-    arrives (others are dropped, or land on a port whose owner ignores a foreign token)."""
-    addresses = {
-        address.address
-        for addresses in psutil.net_if_addrs().values()
-        for address in addresses
-        if address.family == socket.AF_INET
-    }
-    return tuple(sorted(addresses))
+def listening_address(world: World) -> str | None:
+    """The one address this rank hears its peers on, and they send to (runtime/reach.py):
+    loopback when every rank is on this host, else a collective that chooses one for each."""
+    if world.local_size == world.size:
+        return LOOPBACK
+    networks = world.collectives.gather(reach.this_network(), "watchdog_networks")
+    return reach.addresses(networks)[world.rank]
 
 
 class Progress:
@@ -146,23 +148,30 @@ class Progress:
 class Watchdog:
     """This rank's heartbeats to, and watch over, every other rank of its job."""
 
-    def __init__(self, rank: int, collectives: Collectives, bound: float, elastic: bool) -> None:
-        self.rank, self.bound, self.elastic = rank, bound, elastic
-        self.collectives = collectives  # how far this rank has come: its collectives entered
+    def __init__(self, world: World, bound: float, elastic: bool) -> None:
+        self.rank, self.bound, self.elastic = world.rank, bound, elastic
+        collectives = self.collectives = world.collectives  # how far this rank has come
         self.interval = min(1.0, bound / 10)
+        salt = secrets.token_bytes(heartbeat.SALT_BYTES) if world.rank == 0 else None
+        salt = collectives.broadcast_object(salt, "watchdog_salt")
+        key = heartbeat.key_of(salt, secret.job_key())
+        address = listening_address(world)
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.socket.bind(("0.0.0.0", 0))
+        self.socket.bind((address or LOOPBACK, 0))
         self.socket.setblocking(False)  # the thread and a failed collective both read it
-        self.receiving = threading.Lock()
+        self.receiving, self.sending = threading.Lock(), threading.Lock()
         me = psutil.Process()
         here = Peer(
-            socket.gethostname(), reachable_addresses(), self.socket.getsockname()[1],
-            me.pid, me.create_time(), this_kernel(),
+            socket.gethostname(), address, self.socket.getsockname()[1], me.pid,
+            me.create_time(), this_kernel(), heartbeat.fingerprint(key),
         )  # fmt: skip
-        token = secrets.token_bytes(16) if rank == 0 else None
-        self.token: bytes = collectives.broadcast_object(token, "watchdog_token")
-        self.peers = dict(enumerate(collectives.gather(here, "watchdog_peers")))
-        del self.peers[rank]
+        everyone = collectives.gather(here, "watchdog_peers")
+        if len({peer.fingerprint for peer in everyone}) > 1:
+            key = salt  # not every rank holds the job's secret: the collectives' salt alone
+        self.peers = dict(enumerate(everyone))
+        del self.peers[world.rank]
+        sources = {rank: (peer.address, peer.port) for rank, peer in self.peers.items()}
+        self.signed = heartbeat.Signed(key, world.rank, sources)
         now = time.monotonic()
         self.started = self.last_tick = now
         self.heard: dict[int, float] = {}  # peer: when last heard (watched from the first)
@@ -237,28 +246,27 @@ class Watchdog:
 
     def _send(self, what: int) -> None:
         entered, inside = self.collectives.entered, self.collectives.inside > 0
-        for rank, peer in self.peers.items():
-            datagram = DATAGRAM.pack(self.token, self.rank, rank, what, entered, inside)
-            for address in peer.addresses:
-                with contextlib.suppress(OSError):  # unreachable from here: another one is
-                    self.socket.sendto(datagram, (address, peer.port))
+        with self.sending:  # numbered in the order they leave (the thread, a failure, the end)
+            for rank, peer in self.peers.items():
+                if peer.address is None:
+                    continue
+                datagram = self.signed.pack(rank, what, entered, inside)
+                with contextlib.suppress(OSError):  # unreachable: its silence is said
+                    self.socket.sendto(datagram, (peer.address, peer.port))
 
     def _receive(self) -> None:
-        """Take in every datagram that has arrived."""
+        """Take in what has arrived, DRAIN datagrams at most."""
         with self.receiving:
-            while True:
+            for _ in range(DRAIN):
                 try:
-                    data = self.socket.recv(DATAGRAM.size + 1)
+                    data, source = self.socket.recvfrom(heartbeat.SIZE + 1)
                 except OSError:  # nothing more has arrived (or the socket is closed)
                     return
-                if len(data) == DATAGRAM.size:
-                    self._take(*DATAGRAM.unpack(data))
+                beat = self.signed.open(data, source)
+                if beat is not None:
+                    self._take(beat.sender, beat.what, beat.entered, beat.inside)
 
-    def _take(
-        self, token: bytes, sender: int, addressee: int, what: int, entered: int, inside: bool
-    ) -> None:
-        if token != self.token or addressee != self.rank or sender not in self.peers:
-            return
+    def _take(self, sender: int, what: int, entered: int, inside: bool) -> None:
         if what == BEAT:
             if sender not in self.gone:
                 self.heard[sender] = time.monotonic()

@@ -48,7 +48,7 @@ class RunScope:
         0."""
         self.stop_watching()
         if world.size > 1 and stall_seconds > 0:
-            self.watchdog = Watchdog(world.rank, world.collectives, stall_seconds, elastic).start()
+            self.watchdog = Watchdog(world, stall_seconds, elastic).start()
 
     def stop_watching(self) -> None:
         """The ranks are about to change (--elastic), or this rank is done: it is not stalled."""
