@@ -27,6 +27,7 @@ LOG_CONFIG = Path(__file__).with_name("log4j2.properties")
 REGISTER_SECONDS = 30.0
 # How long a spark:// master gets to answer.
 CONNECT_SECONDS = 5.0
+LOOPBACK = "127.0.0.1"
 
 
 def require_spark() -> None:
@@ -94,6 +95,16 @@ def check_slots(spark: Any, num_proc: int) -> None:
             f"{num_proc} (every rank is a task, all running at once); use num_proc={slots} or "
             "fewer, or give the application more executors or cores"
         )
+
+
+def relay_address(spark: Any) -> str:
+    """The address the executors reach the driver at, which the relay of the ranks' lines
+    (spark/relay.py) listens on alone: spark.driver.host's, 127.0.0.1 under a local master
+    (its executors are this process)."""
+    context = spark.sparkContext
+    if context.master.startswith("local"):
+        return LOOPBACK
+    return socket.gethostbyname(context.getConf().get("spark.driver.host"))
 
 
 def session_of(data: Any) -> Any:

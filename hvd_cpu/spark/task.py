@@ -35,18 +35,19 @@ OUTCOME_SCHEMA = "rank int, code int, outcome binary, failure binary"
 
 
 def rank_task(
-    job: bytes, columns: pd.DataFrame, driver: tuple[str, int]
+    job: bytes, columns: pd.DataFrame, driver: tuple[str, int], key: bytes
 ) -> Callable[[Iterator[pd.DataFrame]], Iterator[pd.DataFrame]]:
     """The function mapInPandas runs on each partition: `job` is spark/rank.py's (config and
     the user's code, pickled), `columns` the frame's columns (a partition may have no rows),
-    `driver` the relay's address."""
+    `driver` the relay's address, `key` the job's secret (runtime/secret.py): the relay, the
+    rendezvous and the ranks' heartbeats answer only what is signed with it."""
 
     def run(batches: Iterator[pd.DataFrame]) -> Iterator[pd.DataFrame]:
         from pyspark import BarrierTaskContext
 
         context = BarrierTaskContext.get()
         partition = context.partitionId()
-        link = Link(*driver)
+        link = Link(driver, key)
         try:
             address = _address_towards(driver[0])
             # The partition's rows, held by _run_rank alone: it lets go once they are written.
@@ -57,6 +58,7 @@ def rank_task(
                 job,
                 pd.concat([columns, *batches], ignore_index=True),
                 link,
+                key,
             )
         finally:
             link.close()
@@ -65,17 +67,26 @@ def rank_task(
 
 
 def _run_rank(
-    context: Any, partition: int, address: str, job: bytes, own: pd.DataFrame, link: Link
+    context: Any,
+    partition: int,
+    address: str,
+    job: bytes,
+    own: pd.DataFrame,
+    link: Link,
+    key: bytes,
 ) -> pd.DataFrame:
     from hvd_cpu.runtime import horovod
 
     hosts = context.allGather(address)
     slot = _slots(hosts)[partition]
-    stop_server, port = horovod.serve_rendezvous(_counts(hosts)) if slot.rank == 0 else (None, 0)
+    stop_server, port = (
+        horovod.serve_rendezvous(_counts(hosts), key, address) if slot.rank == 0 else (None, 0)
+    )
     try:
         ports = context.allGather(str(port))
         server = hosts[0]  # partition 0 is rank 0: the first task on the first host
-        env = horovod.gloo_environment(slot, server, int(ports[0]), _interface(address))
+        # The rank's environment holds the job's secret (HOROVOD_JOB_KEY), as under horovodrun.
+        env = horovod.gloo_environment(slot, server, int(ports[0]), _interface(address), key)
         with tempfile.TemporaryDirectory(prefix="hvd-cpu-spark-") as folder:
             (Path(folder) / "job.pkl").write_bytes(job)
             own.to_pickle(Path(folder) / "rows.pkl")

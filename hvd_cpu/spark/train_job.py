@@ -23,6 +23,7 @@ from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.lines import say
 from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
+from hvd_cpu.runtime import secret
 from hvd_cpu.runtime.failure import failure_from
 from hvd_cpu.spark import cluster
 from hvd_cpu.spark.relay import Relay
@@ -136,13 +137,12 @@ class Training:
             frame = frame.repartition(num_proc)
         job = cloudpickle.dumps((config, self.code))
         context = self.spark.sparkContext
-        with Relay() as relay:
-            driver = (context.getConf().get("spark.driver.host"), relay.port)
+        key = bytes.fromhex(secret.new_key())  # this stage's: its tasks get it with their code
+        with Relay(cluster.relay_address(self.spark), num_proc, key) as relay:
             context.setJobDescription(f"hvd-cpu: training on {num_proc} ranks")
             try:
-                rows = frame.mapInPandas(
-                    rank_task(job, self.columns, driver), OUTCOME_SCHEMA, barrier=True
-                ).collect()
+                task = rank_task(job, self.columns, relay.address, key)
+                rows = frame.mapInPandas(task, OUTCOME_SCHEMA, barrier=True).collect()
             except Exception as exc:
                 raise RankLost(f"a Spark task of the job failed ({_reason(exc)})") from exc
             finally:
