@@ -6,7 +6,8 @@ Usage (from the repository, after launch/install.sh):
 
 - requests: one KVStore GET round trip on loopback, signed (this build's server and client)
   against the same request to Python's plain HTTP server, unsigned; and the signing alone
-  (client signs, server checks, server signs its answer, client checks), median of many.
+  (client signs, server checks, server signs its answer, client checks), median of many;
+  and a heartbeat signed and checked (each rank sends one to each peer every second).
 - with `--compare DIR` (an earlier Horovod wheel unzipped into DIR, e.g. one from
   ~/.cache/hvd-cpu/wheels/ built before the patch), alternated run by run, this build against
   that one: a `horovodrun --gloo -np 2` job that starts Horovod and makes one allreduce (start
@@ -32,6 +33,8 @@ from pathlib import Path
 
 from horovod.runner.http import http_auth
 from horovod.runner.http.http_server import KVStoreServer
+
+from hvd_cpu.runtime import heartbeat
 
 BIN = Path(sys.executable).parent
 KEY = os.urandom(32)
@@ -102,6 +105,22 @@ def requests(repeats: int = 2000) -> dict[str, float]:
     return found
 
 
+def heartbeats(repeats: int = 200_000) -> dict[str, float]:
+    """µs to number and sign one heartbeat, and to check one that arrives (runtime/heartbeat.py)."""
+    sender = heartbeat.Signed(KEY, 0, {1: ("127.0.0.1", 2)})
+    receiver = heartbeat.Signed(KEY, 1, {0: ("127.0.0.1", 1)})
+    datagrams = [sender.pack(1, heartbeat.BEAT, n, False) for n in range(repeats)]
+    arriving = iter(datagrams)
+    return {
+        "a heartbeat: number and sign": _median_us(
+            lambda: sender.pack(1, heartbeat.BEAT, 7, False), repeats
+        ),
+        "a heartbeat: check (MAC, sender, number)": _median_us(
+            lambda: receiver.open(next(arriving), ("127.0.0.1", 1)), repeats
+        ),
+    }
+
+
 def _environment(build: Path | None) -> dict[str, str]:
     env = dict(os.environ)
     if build is not None:
@@ -133,9 +152,9 @@ def main() -> None:
     parser.add_argument("--compare", type=Path, help="an earlier Horovod wheel, unzipped")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    print("| per request, loopback | µs (median of 2000) |\n|---|---:|")
-    for name, value in requests().items():
-        print(f"| {name} | {value:.0f} |")
+    print("| one message | µs (median) |\n|---|---:|")
+    for name, value in (requests() | heartbeats()).items():
+        print(f"| {name} | {value:.1f} |")
     if args.compare is None:
         return
     with tempfile.TemporaryDirectory() as folder:
