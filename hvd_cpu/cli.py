@@ -60,9 +60,9 @@ def _fail(show: Callable[[], None], code: int, together: bool = False) -> NoRetu
 def cli() -> None:
     """Train PyTorch models on a pandas DataFrame over all CPU cores and hosts (Horovod).
 
-    Start it with `horovodrun --mpi -np N hvd-cpu train ...` (MPI: shared memory between the
-    ranks of a host), `horovodrun --gloo -np N ...` (Gloo over TCP) or `mpirun -np N ...`;
-    alone it runs as a job of one.
+    Start it with `horovodrun --gloo -np N hvd-cpu train ...` or `horovodrun --mpi -np N ...`
+    (either moves bytes through shared memory between the ranks of a host, over the network
+    between hosts) or `mpirun -np N ...`; alone it runs as a job of one.
     """
 
 

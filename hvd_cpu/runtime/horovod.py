@@ -101,6 +101,14 @@ def gloo_transport() -> str:
     return f"TCP ({why_not})" if why_not else SHARED_MEMORY
 
 
+def direct_path_open() -> bool:
+    """Whether hvd.direct_allreduce_ runs here: its own shared-memory path, which may be
+    closed where Horovod's collectives go through shared memory (HOROVOD_CPU_OPERATIONS
+    other than gloo)."""
+    # A build before our shared-memory-agreement patch says only process set 0's.
+    return getattr(hvd, "direct_allreduce_why_not", hvd.gloo_shared_memory)() == ""
+
+
 def wakes_on_wait() -> bool:
     """Whether this Horovod is hvd-cpu's build with the wake-on-wait patch. Any other (one a
     user built or installed) keeps its cycle: at 100 ms, each collective would wait for it."""

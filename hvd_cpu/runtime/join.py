@@ -45,25 +45,29 @@ MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 # the clock, and a long cycle keeps the thread from taking the training thread's core in
 # between (docs/measurements.md: 100 ms against the default 1 ms).
 CYCLE_MS = "100"
+# Gloo's timeout, in seconds, for a job that waits for ever: about 116 days.
+GLOO_FOREVER = 10**7
 
 
 def init(
     threads: int | None = None,
     comm: Any = None,
-    stall_seconds: float = 0.0,
+    stall_seconds: float | None = None,
 ) -> World:
     """Join the job (a job of one without a launcher) and give this rank its share of cores.
 
     Under an MPI launcher, or on `comm` (an mpi4py communicator of a program of your own),
     Horovod runs its MPI controller; otherwise Gloo's. Without a thread budget every rank
     would start one thread per core, and N ranks on N cores would fight over N x N threads.
-    `stall_seconds` (--stall-seconds: the run's watchdog ends a job with a silent rank) puts
-    Gloo's own timeout beyond it.
+    `stall_seconds` (--stall-seconds: the run's watchdog ends a job with a silent rank; 0:
+    it waits for ever) puts Gloo's own timeout beyond it.
     """
     arrange_ending()
-    if stall_seconds:
-        # Gloo's own timeout would end a stalled job first, with a line that names nobody.
-        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(math.ceil(stall_seconds) + 30))
+    if stall_seconds is not None:
+        # Gloo's own timeout would end a stalled job first, with a line that names nobody,
+        # and a job told to wait for ever (--stall-seconds 0) after Gloo's 30 s.
+        beyond = math.ceil(stall_seconds) + 30 if stall_seconds else GLOO_FOREVER
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(beyond))
     if horovod.wakes_on_wait():
         os.environ.setdefault("HOROVOD_CYCLE_TIME", CYCLE_MS)
     under_mpi = comm is not None or mpi_launched()
@@ -96,7 +100,7 @@ def _backend(comm: Any, transport: str) -> Collectives:
         return Alone()
     if horovod.controller() == "mpi":
         return Counted(MpiCollectives(comm.Dup()))
-    if transport == SHARED_MEMORY:
+    if transport == SHARED_MEMORY and horovod.direct_path_open():
         return Counted(horovod.SharedMemoryCollectives())
     return Counted(horovod.HorovodCollectives())
 
