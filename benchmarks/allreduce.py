@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import median_seconds
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -33,15 +33,8 @@ CYCLE_TIMES_MS = (0.1, 1.0, 5.0, 100.0)  # Horovod's default is 1 ms, hvd-cpu's 
 FUSION_MB = (0, 64)  # 64 MB is Horovod's default; 0 turns fusion off
 
 
-def _median_ms(call: object, repeats: int) -> float:
-    for _ in range(max(5, repeats // 10)):
-        call()  # type: ignore[operator]
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()  # type: ignore[operator]
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+def _median_ms(call: Callable[[], object], repeats: int) -> float:
+    return median_seconds(call, repeats, warm_up=max(5, repeats // 10)) * 1e3
 
 
 def rank_program(out: Path) -> None:

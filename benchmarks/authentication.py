@@ -1,53 +1,35 @@
-"""What keeping strangers out costs (issue 39): the signed-rendezvous patch's request signing,
-and a whole Gloo job's start and training beside an earlier Horovod build without it.
+"""What keeping strangers out costs, per message: the signed-rendezvous patch's signing of a
+request, and a heartbeat signed and checked. What it costs a whole job (its start, an epoch)
+beside a build without it: benchmarks/builds.py.
 
 Usage (from the repository, after launch/install.sh):
-    .venv/bin/python benchmarks/authentication.py [--compare DIR] [--runs 5]
+    .venv/bin/python benchmarks/authentication.py
 
-- requests: one KVStore GET round trip on loopback, signed (this build's server and client)
-  against the same request to Python's plain HTTP server, unsigned; and the signing alone
-  (client signs, server checks, server signs its answer, client checks), median of many;
-  and a heartbeat signed and checked (each rank sends one to each peer every second).
-- with `--compare DIR` (an earlier Horovod wheel unzipped into DIR, e.g. one from
-  ~/.cache/hvd-cpu/wheels/ built before the patch), alternated run by run, this build against
-  that one: a `horovodrun --gloo -np 2` job that starts Horovod and makes one allreduce (start
-  to end: the rendezvous' requests and Gloo's pairs proving the key), and a 2-rank `hvd-cpu
-  train` of the seed's MLP (an epoch's seconds: the training step, which neither touches).
-Prints Markdown tables.
+One KVStore GET round trip on loopback, signed (this build's server and client) against
+the same request to Python's plain HTTP server, unsigned; the signing alone (client signs,
+server checks, server signs its answer, client checks); and a heartbeat signed and checked
+(each rank sends one to each peer every second). Medians of many; prints a Markdown table.
 """
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import http.server
-import json
 import os
-import statistics
-import subprocess
-import sys
-import tempfile
 import threading
-import time
-from pathlib import Path
+from collections.abc import Callable
 
+from common import median_seconds
 from horovod.runner.http import http_auth
 from horovod.runner.http.http_server import KVStoreServer
 
 from hvd_cpu.runtime import heartbeat
 
-BIN = Path(sys.executable).parent
 KEY = os.urandom(32)
-START = "import horovod.torch as hvd, torch; hvd.init(); hvd.allreduce(torch.ones(4))"
 
 
-def _median_us(call: object, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()  # type: ignore[operator]
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+def _median_us(call: Callable[[], object], repeats: int) -> float:
+    return median_seconds(call, repeats) * 1e6
 
 
 def requests(repeats: int = 2000) -> dict[str, float]:
@@ -121,59 +103,10 @@ def heartbeats(repeats: int = 200_000) -> dict[str, float]:
     }
 
 
-def _environment(build: Path | None) -> dict[str, str]:
-    env = dict(os.environ)
-    if build is not None:
-        env["PYTHONPATH"] = f"{build}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    return env
-
-
-def job_start(build: Path | None) -> float:
-    """Seconds for `horovodrun --gloo -np 2` to start Horovod on both ranks and allreduce."""
-    command = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "--disable-cache",
-               sys.executable, "-c", START]  # fmt: skip
-    started = time.perf_counter()
-    subprocess.run(command, env=_environment(build), check=True, capture_output=True)
-    return time.perf_counter() - started
-
-
-def epoch_seconds(build: Path | None, frame: Path, output: Path) -> float:
-    """The median epoch of a 2-rank `hvd-cpu train` of the seed's MLP (5 epochs)."""
-    command = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "--disable-cache",
-               str(BIN / "hvd-cpu"), "train", "--data", str(frame), "--epochs", "5",
-               "--overwrite", "--quiet", "--output", str(output)]  # fmt: skip
-    subprocess.run(command, env=_environment(build), check=True, capture_output=True)
-    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["seconds"] for r in records)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--compare", type=Path, help="an earlier Horovod wheel, unzipped")
-    parser.add_argument("--runs", type=int, default=5)
-    args = parser.parse_args()
     print("| one message | µs (median) |\n|---|---:|")
     for name, value in (requests() | heartbeats()).items():
         print(f"| {name} | {value:.1f} |")
-    if args.compare is None:
-        return
-    with tempfile.TemporaryDirectory() as folder:
-        frame = Path(folder) / "frame.parquet"
-        subprocess.run([str(BIN / "hvd-cpu"), "make-demo-data", str(frame), "--rows", "100000"],
-                       check=True, capture_output=True)  # fmt: skip
-        builds = {"this build": None, f"{args.compare}": args.compare}
-        starts: dict[str, list[float]] = {name: [] for name in builds}
-        epochs: dict[str, list[float]] = {name: [] for name in builds}
-        for _ in range(args.runs):
-            for name, build in builds.items():  # alternated: the noise falls on both alike
-                starts[name].append(job_start(build))
-                epochs[name].append(epoch_seconds(build, frame, Path(folder) / "run"))
-    print(f"\n| median of {args.runs}, alternated | " + " | ".join(builds) + " |")
-    print("|---|" + "---:|" * len(builds))
-    print("| `horovodrun --gloo -np 2`: init + one allreduce, s | "
-          + " | ".join(f"{statistics.median(starts[n]):.2f}" for n in builds) + " |")  # fmt: skip
-    print("| 2-rank `hvd-cpu train`, seed MLP, 100 000 rows: an epoch, s | "
-          + " | ".join(f"{statistics.median(epochs[n]):.3f}" for n in builds) + " |")  # fmt: skip
 
 
 if __name__ == "__main__":

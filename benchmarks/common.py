@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -139,3 +142,15 @@ def training_throughput(
     train_job(launcher, frame, output, 4, *options, env=env)
     epochs = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     return sum(e["samples"] for e in epochs[1:]) / sum(e["seconds"] for e in epochs[1:])
+
+
+def median_seconds(call: Callable[[], object], repeats: int, warm_up: int = 0) -> float:
+    """The median of `repeats` timed calls of `call`, after `warm_up` untimed ones."""
+    for _ in range(warm_up):
+        call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
