@@ -44,7 +44,7 @@ def test_a_random_loop_of_collectives_gives_the_rank_order_results_bit_for_bit(
     np: int,
 ) -> None:
     before = segments()
-    job = gloo(np, STRESS, str(1000 + np), "25")
+    job = gloo(np, STRESS, str(1000 + np), "15")
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     done = [line for line in job.stdout.splitlines() if "stress ok" in line]
     assert len(done) == np and all(int(line.split()[-1]) > 50 for line in done), done
@@ -263,19 +263,16 @@ def late_model(folder: Path, seconds: float) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("controller", "env", "stall"),
-    [
-        ("gloo", {}, "60"),
-        ("mpi", {}, "60"),
-        ("gloo", {"HOROVOD_GLOO_SHARED_MEMORY": "0"}, "0"),
-    ],
-    ids=["gloo", "mpi", "gloo over tcp, --stall-seconds 0"],
+    [("mpi", {}, "60"), ("gloo", {"HOROVOD_GLOO_SHARED_MEMORY": "0"}, "0")],
+    ids=["mpi", "gloo over tcp, --stall-seconds 0"],
 )
 def test_a_rank_late_by_35_s_is_waited_for_within_the_stall_bound(
     controller: str, env: dict[str, str], stall: str, tmp_path: Path
 ) -> None:
     """Past Gloo's 30 s default: the job is the job's to end (--stall-seconds, 60 by
     default; 0 waits for ever, which over TCP ended after Gloo's own 30 s), not the
-    transport's."""
+    transport's. (Through shared memory: test_a_live_rank_is_waited_for_however_long_it_takes,
+    without even hvd-cpu's watchdog.)"""
     job = horovodrun(2, "train", "--epochs", "1", "--model", late_model(tmp_path, 35),
                      "--stall-seconds", stall, "--output", str(tmp_path / "out"),
                      controller=controller, env=env, timeout=240)  # fmt: skip
