@@ -18,7 +18,17 @@ from hvd_cpu.data.frames import parquet_rows, read_frame
 from hvd_cpu.errors import InputError
 from hvd_cpu.runtime.alone import Alone
 
-from .jobs import BIN, SLOW, horovodrun, hvd_cpu, ranks, run, skip_without_mpi, slow_except
+from .jobs import (
+    BIN,
+    SLOW,
+    horovodrun,
+    hvd_cpu,
+    metrics,
+    ranks,
+    run,
+    skip_without_mpi,
+    slow_except,
+)
 
 
 def spark_folder(path: Path, frame: pd.DataFrame, files: int, row_group_size: int) -> Path:
@@ -36,6 +46,21 @@ def hive_folder(path: Path, frame: pd.DataFrame) -> Path:
     """`frame` partitioned as year=.../city=.../part-0.parquet."""
     table = pa.Table.from_pandas(frame, preserve_index=False)
     pq.write_to_dataset(table, path, partition_cols=["year", "city"])
+    return path
+
+
+def dask_folder(path: Path, frame: pd.DataFrame, files: int) -> Path:
+    """`frame` in `files` part files as Dask writes them (part.N.parquet), with the
+    `_metadata` file that holds every part's row groups and `_common_metadata` (the schema)."""
+    path.mkdir()
+    parts: list[pq.FileMetaData] = []
+    for i, rows in enumerate(np.array_split(np.arange(len(frame)), files)):
+        table = pa.Table.from_pandas(frame.iloc[rows], preserve_index=False)
+        pq.write_table(table, path / f"part.{i}.parquet", metadata_collector=parts)
+        parts[-1].set_file_path(f"part.{i}.parquet")
+    schema = pa.Schema.from_pandas(frame, preserve_index=False)
+    pq.write_metadata(schema, path / "_common_metadata")
+    pq.write_metadata(schema, path / "_metadata", metadata_collector=parts)
     return path
 
 
@@ -148,6 +173,25 @@ def test_shard_read_over_a_folder_gives_each_rank_its_own_rows(tmp_path: Path) -
     pd.testing.assert_frame_equal(
         pd.read_parquet(predicted), pd.read_parquet(tmp_path / "one.parquet")
     )  # the input's order, whichever rank predicted a row
+
+
+@pytest.mark.parametrize("shard_read", slow_except([False, True], [False]))
+def test_a_dask_folder_with_metadata_files_trains_on_its_rows_once(
+    tmp_path: Path, shard_read: bool
+) -> None:
+    """README: --data may be a folder as Dask writes it; its _metadata (every part's row
+    groups again) and _common_metadata are not read as rows."""
+    folder = dask_folder(tmp_path / "data", make_demo_frame(rows=1000, features=4), files=4)
+    assert pq.read_metadata(folder / "_metadata").num_rows == 1000  # a footer pyarrow can read
+    output = tmp_path / "out"
+    args = ["--epochs", "1", "--val-fraction", "0", "--output", str(output)]
+    args += ["--shard-read"] if shard_read else []
+    done = horovodrun(2, "train", "--data", str(folder), *args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    read = [r["rows_read"] for r in ranks(output)]
+    assert read == ([500, 500] if shard_read else [1000, 1000])  # parts of 250 rows each
+    [epoch] = metrics(output)
+    assert epoch["samples"] == 1000  # 500 each: no rank pads its shard
 
 
 def test_too_few_pieces_for_the_ranks_is_one_line_from_rank_0(tmp_path: Path) -> None:

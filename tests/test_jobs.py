@@ -12,7 +12,18 @@ import torch
 
 from hvd_cpu.model.networks import Network, parameter_digest
 
-from .jobs import BIN, REPO, horovodrun, hvd_cpu, load_model, metrics, run, slow_except
+from .jobs import (
+    BIN,
+    REPO,
+    Run,
+    horovodrun,
+    hvd_cpu,
+    load_model,
+    metrics,
+    ranks,
+    run,
+    slow_except,
+)
 
 
 @pytest.mark.parametrize("np", slow_except([2, 4], [2]))
@@ -73,16 +84,49 @@ def test_a_plain_process_is_a_job_of_one(demo_parquet: Path, tmp_path: Path) -> 
     assert metrics(tmp_path)[0]["world_size"] == 1
 
 
-@pytest.mark.slow
-def test_the_demo_loss_falls_in_each_of_ten_epochs(tmp_path: Path) -> None:
-    """README's command 1, launch/demo.sh: `horovodrun -np 4 hvd-cpu train` on the demo frame
-    (its extra arguments go to train: here an --output outside the repository's runs/)."""
-    demo = ["launch/demo.sh", "--output", str(tmp_path)]
-    job = run(demo, cwd=REPO, env={"HVD_CPU_VENV": str(BIN.parent)})
+def demo(output: Path, *args: str) -> Run:
+    """README's command 1, launch/demo.sh, its extra arguments going to train: here an
+    --output outside the repository's runs/."""
+    job = run(["launch/demo.sh", "--output", str(output), *args], cwd=REPO,
+              env={"HVD_CPU_VENV": str(BIN.parent)})  # fmt: skip
     assert job.returncode == 0, job.stdout + job.stderr
+    return job
+
+
+# A demo's folder, and its output, metrics and ranks as it left them.
+DemoRun = tuple[Path, Run, list[dict], list[dict]]
+
+
+@pytest.fixture(scope="module")
+def first_demo(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """One demo run, shared by the tests that read it and the one that runs the demo again."""
+    output = tmp_path_factory.mktemp("demo")
+    job = demo(output)
+    return output, job, metrics(output), ranks(output)
+
+
+@pytest.mark.slow
+def test_the_demo_loss_falls_in_each_of_ten_epochs(first_demo: DemoRun) -> None:
+    """`horovodrun -np 4 hvd-cpu train` on the demo frame."""
+    _, job, records, _ = first_demo
     assert len([t for r, t in job.rank_lines(0) if t.startswith("Epoch")]) == 10
-    losses = [m["train_loss"] for m in metrics(tmp_path)]
+    losses = [m["train_loss"] for m in records]
     assert len(losses) == 10
     assert all(later < earlier for earlier, later in itertools.pairwise(losses))
     assert losses[-1] < 0.02  # near the demo's noise floor, NOISE_STD ** 2 = 0.01
     assert "over 4 rank(s)" in job.stdout
+
+
+@pytest.mark.slow
+def test_a_second_demo_replaces_the_first(first_demo: DemoRun) -> None:
+    """README: the demo replaces its output on every run (launch/demo.sh passes --overwrite).
+    Again into the first's folder, for 1 epoch: the first's checkpoint does not refuse it, and
+    the folder then holds the second run alone."""
+    output, _, _, first = first_demo
+    assert (output / "checkpoint.pt").exists()
+    demo(output, "--epochs", "1", "--quiet")
+    assert [m["epoch"] for m in metrics(output)] == [1]
+    second = ranks(output)
+    assert len(second) == 4 and {r["epochs_run"] for r in second} == {1}
+    assert min(r["first_step_unix"] for r in second) > max(r["first_step_unix"] for r in first)
+    assert not {r["pid"] for r in first} & {r["pid"] for r in second}

@@ -6,10 +6,13 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
-from .jobs import horovodrun, hvd_cpu, metrics
+from hvd_cpu.data.features import FeatureTransform
+
+from .jobs import SLOW, horovodrun, hvd_cpu, metrics, weights
 from .messy import messy_frame
 
 USER_MODEL = """
@@ -174,3 +177,35 @@ def test_several_targets_are_several_outputs(tmp_path: Path) -> None:
     assert job.returncode == 0, job.stderr
     state = torch.load(tmp_path / "out" / "model.pt", weights_only=True)["state_dict"]
     assert state["linear_2.weight"].shape[0] == 2
+
+
+@SLOW
+def test_a_duration_column_trains_as_standardised_seconds(tmp_path: Path) -> None:
+    """docs/usage.md: durations become seconds, missing ones filled with the mean, then
+    standardised (mean 0, std 1) with statistics over all ranks' rows."""
+    rng = np.random.default_rng(1)
+    minutes = rng.uniform(1, 120, 1000)
+    waited = pd.Series(pd.to_timedelta(minutes, unit="min"))
+    waited[::10] = pd.NaT
+    frame = pd.DataFrame({"waited": waited, "x": rng.normal(size=1000)})
+    frame["target"] = 0.02 * minutes + frame["x"] + rng.normal(0, 0.1, 1000)
+    frame.to_parquet(tmp_path / "waits.parquet")
+    out = tmp_path / "out"
+    job = horovodrun(2, "train", "--data", str(tmp_path / "waits.parquet"), "--epochs", "5",
+                     "--output", str(out))  # fmt: skip
+    assert job.returncode == 0, job.stdout + job.stderr
+    fitted = read_json(out / "features.json")
+    assert fitted["inputs"][0] == {"name": "waited", "kind": "timedelta", "levels": []}
+    assert fitted["report"]["filled"] == {"waited": 100}
+    seconds = (waited / pd.Timedelta(seconds=1)).to_numpy()
+    mean = np.nanmean(seconds)
+    std = np.sqrt(np.nansum((seconds - mean) ** 2) / len(seconds))  # the filled ones add 0
+    [scale] = [c for c in fitted["outputs"] if c["name"] == "waited"]
+    assert scale["mean"] == pytest.approx(mean, rel=1e-12)
+    assert scale["std"] == pytest.approx(std, rel=1e-12)
+    x = FeatureTransform.from_dict(fitted).features(frame)
+    expected = (np.where(np.isnan(seconds), mean, seconds) - mean) / std
+    np.testing.assert_allclose(x[:, 0], expected, rtol=1e-5, atol=1e-6)  # float32
+    assert weights(out)["linear_1.weight"].shape[1] == 2  # the duration and x
+    history = losses(out)
+    assert history[-1] < history[0] / 2

@@ -141,6 +141,42 @@ def test_mlflow_one_run_per_job(
 
 
 @SLOW
+@pytest.mark.parametrize(
+    ("option", "variable", "experiment"),
+    [(None, "from-env", "from-env"), ("from-option", "from-env", "from-option"),
+     (None, None, tracking.DEFAULT_EXPERIMENT)],
+    ids=["MLFLOW_EXPERIMENT_NAME", "--mlflow-experiment over it", "neither"],
+)  # fmt: skip
+def test_the_run_lands_in_the_experiment_named(
+    option: str | None,
+    variable: str | None,
+    experiment: str,
+    mlflow_server: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--mlflow-experiment NAME, else MLFLOW_EXPERIMENT_NAME, else hvd-cpu (README)."""
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    env = {"MLFLOW_TRACKING_URI": mlflow_server}
+    if variable:
+        env["MLFLOW_EXPERIMENT_NAME"] = variable
+    name = f"run-{tmp_path.name}"
+    command = [str(BIN / "hvd-cpu"), "train", "--epochs", "1", "--output", str(tmp_path / "out")]
+    command += ["--mlflow", "--mlflow-run-name", name]
+    command += ["--mlflow-experiment", option] if option else []
+    job = run(command, env=env)
+    assert job.returncode == 0, job.stderr
+    client = MlflowClient(mlflow_server)
+    landed = [
+        e.name
+        for e in client.search_experiments()
+        for r in client.search_runs([e.experiment_id])
+        if r.info.run_name == name
+    ]
+    assert landed == [experiment]
+
+
+@SLOW
 def test_a_failed_job_ends_its_mlflow_run_failed(mlflow_server: str, tmp_path: Path) -> None:
     """A diverging run stops after its first epoch; its run says so, and holds no model."""
     command = [str(BIN / "hvd-cpu"), "train", "--lr", "1e30", "--output", str(tmp_path)]

@@ -14,8 +14,9 @@ from torch import nn
 from hvd_cpu.errors import InputError
 from hvd_cpu.model.losses import build_loss, check_loss
 from hvd_cpu.model.networks import build_user_model, model_arguments
+from hvd_cpu.tools.predict import load_model
 
-from .jobs import SLOW, horovodrun, hvd_cpu, weights
+from .jobs import SLOW, horovodrun, hvd_cpu, metrics, weights
 
 # The seed user's class, exactly as in their question (super(Network, self) included).
 SEED_NETWORK = """
@@ -198,3 +199,23 @@ def test_a_named_loss_trains_as_the_same_loss_written_out(
     assert not torch.equal(
         weights(tmp_path / "mse")["linear_1.weight"], runs["named"]["linear_1.weight"]
     )
+
+
+@SLOW
+def test_gelu_goes_between_the_layers_of_the_mlp_and_it_trains(demo_parquet: Path, tmp_path):
+    """--hidden 16,16 --activation gelu: model.pt rebuilds (as predict does) into three
+    Linear layers with GELU between each two, computing exactly that, and the loss falls."""
+    args = train_args(demo_parquet, tmp_path / "run", "--hidden", "16,16", "--activation", "gelu")
+    job = hvd_cpu(*args)
+    assert job.returncode == 0, job.stderr
+    model, _ = load_model(tmp_path / "run")
+    kinds = {name: type(module) for name, module in model.named_children()}
+    assert kinds == {f"linear_{i}": nn.Linear for i in (1, 2, 3)} | {"activation": nn.GELU}
+    first, second, last = model.linear_1, model.linear_2, model.linear_3
+    x = torch.randn(64, 8)
+    with torch.no_grad():
+        gelu = nn.functional.gelu
+        torch.testing.assert_close(model(x), last(gelu(second(gelu(first(x))))))
+        assert not torch.allclose(model(x), last(second(first(x))), atol=1e-3)
+    history = [m["train_loss"] for m in metrics(tmp_path / "run")]
+    assert history[-1] < history[0]
