@@ -4,6 +4,8 @@ temporary folder and stopped on exit, executors included.
 
 `with SparkCluster(folder, workers=2, cores=2) as cluster:` cluster.master is its URL.
 `hosts=[...]` starts each worker inside a namespace host (tests/hosts.py) instead.
+Where a job's work happened, seen from outside it: `bytes_to_driver` (what its tasks sent the
+driver) and `Witness` (which processes ran a model).
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import pandas as pd
 import psutil
 import pytest
+import torch
+from torch import nn
 
 from tests.hosts import Host
 
@@ -37,6 +42,7 @@ needs_spark = pytest.mark.skipif(
 START_SECONDS = 60
 COMMAND = [str(BIN / "hvd-cpu"), "spark-train"]
 ROWS = 4000
+T = TypeVar("T")
 
 
 def table(rows: int = ROWS) -> pd.DataFrame:
@@ -155,3 +161,65 @@ class SparkCluster:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+class Witness(nn.Module):
+    """A trained model that notes which process ran each of its forward passes, and on how many
+    rows: a file per process id in `folder` (on this machine, where the executors run too)."""
+
+    def __init__(self, model: nn.Module, folder: Path) -> None:
+        super().__init__()
+        self.model, self.folder = model, str(folder)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with open(os.path.join(self.folder, str(os.getpid())), "a") as noted:
+            noted.write(f"{len(x)}\n")
+        return self.model(x)
+
+
+def rows_by_process(folder: Path) -> dict[int, int]:
+    """What Witness noted in `folder`: the rows each process ran the model on."""
+    return {int(p.name): sum(map(int, p.read_text().split())) for p in folder.iterdir()}
+
+
+def bytes_to_driver(spark: Any, action: Callable[[], T]) -> tuple[T, int]:
+    """`action()`'s value, and the bytes its Spark jobs' tasks sent the driver as their results
+    (each stage's resultSize, from the application's REST API): a collect of rows shows here,
+    a shuffle between executors does not."""
+    first = _marker_job(spark)
+    value = action()
+    last = _marker_job(spark)
+    jobs = [job for job in _status(spark, "jobs") if first < job["jobId"] < last]
+    stages = {stage for job in jobs for stage in job["stageIds"]}
+    sent = sum(
+        attempt["resultSize"] for stage in stages for attempt in _status(spark, f"stages/{stage}")
+    )
+    return value, sent
+
+
+def _marker_job(spark: Any) -> int:
+    """The id of a job of one task run now, once the application's status store (which Spark's
+    listener fills behind the jobs, in their order) shows it ended: every job before it is
+    there too."""
+    context = spark.sparkContext
+    name = f"hvd-cpu tests: marker {time.monotonic_ns()}"
+    context.setJobDescription(name)
+    try:
+        context.parallelize([0], 1).count()
+    finally:
+        context.setJobDescription(None)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for job in _status(spark, "jobs"):
+            if job.get("description") == name and job["status"] == "SUCCEEDED":
+                return job["jobId"]
+        time.sleep(0.1)
+    raise RuntimeError(f"Spark's status store never showed the job {name!r}")
+
+
+def _status(spark: Any, path: str) -> Any:
+    """A page of the application's REST API (served by its UI)."""
+    context = spark.sparkContext
+    url = f"{context.uiWebUrl}/api/v1/applications/{context.applicationId}/{path}"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return json.load(answer)

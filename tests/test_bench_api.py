@@ -1,9 +1,11 @@
 """`hvd_cpu.benchmark` is `hvd-cpu bench`: the checks, the demo frame and the configuration
-are the API's, and the command line only hands it its options. Nothing is launched here
-(bench.run is replaced); tests/test_speed.py runs real benches."""
+are the API's, and the command line only hands it its options; and bench's rule for what it
+recommends, on measurements made up here. Nothing is launched here (bench.run is replaced);
+tests/test_speed.py runs real benches."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +112,32 @@ def test_the_recommended_command_leaves_out_only_the_threads_train_would_pick(
     setting = bench.Setting(processes=2, threads=2, batch_size=64, sync_every=1)
     line = bench.command_line(setting, TrainConfig(data=Path("f.parquet")), cores=4)
     assert ("--threads 2" in line) == spelled, line
+
+
+def measured(setting: bench.Setting, samples_per_s: float) -> bench.Measurement:
+    """A measurement of `setting` at `samples_per_s` (its step's split does not matter here)."""
+    return bench.Measurement(setting, samples_per_s, step_ms=1.0, compute_ms=0.6, wait_ms=0.4)
+
+
+@pytest.mark.parametrize("faster", ["horovod", "direct"])
+@pytest.mark.parametrize("win", [0.99, 1.0])
+def test_the_recommendation_follows_the_measurements_by_bench_s_rule(faster: str, win: float):
+    """The fastest setting that trains as asked (batch 64, every step) unless another is
+    CLEAR_WIN times as fast; under MPI the averaging measured faster, whichever it is (auto
+    would take direct), and a command that trains with it."""
+    slower = {"horovod": "direct", "direct": "horovod"}[faster]
+    best = measured(bench.Setting(2, 1, 64, 1, "mpi", faster), 1000.0)
+    others = [
+        measured(bench.Setting(2, 1, 64, 1, "mpi", slower), 900.0),
+        measured(bench.Setting(1, 2, 64, 1), 800.0),
+        measured(bench.Setting(2, 1, 64, 1, "gloo", "direct"), 950.0),
+    ]
+    changed = measured(bench.Setting(2, 1, 1024, 8, "mpi"), bench.CLEAR_WIN * 1000.0 * win)
+    train = TrainConfig(data=Path("f.parquet"))
+    recommended = bench.recommend([*others, changed, best], 64, train, cores=2)
+    chosen = best if win < 1 else changed
+    assert recommended["setting"] == asdict(chosen.setting)
+    assert recommended["command"] == bench.command_line(chosen.setting, train, cores=2)
+    assert ("--allreduce horovod" in recommended["command"]) == (
+        chosen.setting == best.setting and faster == "horovod"
+    )

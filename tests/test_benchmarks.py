@@ -33,11 +33,36 @@ def test_benchmark_suite_runs_every_contender(tmp_path: Path) -> None:
     for row in rows:
         assert row["samples_per_s"] > 0 and row["final_val_loss"] > 0
         assert 0 < row["launch_seconds"] < row["wall_seconds"]
-    for plain in (row for row in rows if row["name"].startswith("(a)")):
-        # the threshold is (a)'s own final loss, so (a) reaches it by its last epoch
-        assert plain["threshold"] == plain["final_val_loss"]
-        assert plain["time_to_loss_s"] is not None
+    # Time to loss, from each run's own epoch records: the training seconds until its
+    # validation loss first reaches the loss the seed's loop (a) ends with on that table.
+    folders = sorted(path for path in tmp_path.iterdir() if path.name[:2].isdigit())
+    reference: dict[tuple[str, str], float] = {}
+    for row, folder in zip(rows, folders, strict=True):
+        epochs = epoch_records(folder)
+        group = (row["model"], row["table"])
+        if row["name"].startswith("(a)"):
+            reference[group] = epochs[-1]["val_loss"]
+        assert row["threshold"] == reference[group], row["name"]
+        assert row["time_to_loss_s"] == time_to(reference[group], epochs), row["name"]
     assert "| contender |" in (tmp_path / "results.md").read_text()
+
+
+def epoch_records(folder: Path) -> list[dict]:
+    """What a contender's run wrote of its epochs: hvd-cpu's metrics.jsonl, or the seed loop's
+    and DDP's epochs.jsonl."""
+    hvd_cpu = folder / "run" / "metrics.jsonl"
+    record = hvd_cpu if hvd_cpu.exists() else folder / "epochs.jsonl"
+    return [json.loads(line) for line in record.read_text().splitlines()]
+
+
+def time_to(loss: float, epochs: list[dict]) -> float | None:
+    """Training seconds until the first epoch whose validation loss is at most `loss`."""
+    elapsed = 0.0
+    for epoch in epochs:
+        elapsed += epoch["seconds"]
+        if epoch["val_loss"] <= loss:
+            return elapsed
+    return None
 
 
 def test_memory_benchmark_writes_its_table(tmp_path: Path) -> None:

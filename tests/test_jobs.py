@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -42,7 +43,8 @@ def test_ranks_train_together_and_end_identical(np: int, demo_parquet: Path, tmp
     history = metrics(out)
     assert [m["epoch"] for m in history] == [1, 2, 3]
     assert [round(m["train_loss"], 4) for m in history] == printed
-    train_rows = 4096 - round(0.1 * 4096)  # --val-fraction 0.1 held out
+    rows = len(pd.read_parquet(demo_parquet))
+    train_rows = rows - round(0.1 * rows)  # --val-fraction 0.1 held out
     shard = -(-train_rows // np)  # the sampler pads the shards to equal length
     assert all(m["samples"] == shard * np and m["samples_per_s"] > 0 for m in history)
     assert all(m["world_size"] == np and m["lr"] == pytest.approx(1e-3 * np) for m in history)

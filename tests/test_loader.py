@@ -1,4 +1,5 @@
-"""The sharding contract, checked without Horovod: what each rank reads and in which order."""
+"""The sharding contract, checked without Horovod: what each rank reads and in which order
+(tests/test_padding.py: rows that do not divide by the ranks)."""
 
 from __future__ import annotations
 
@@ -42,21 +43,16 @@ def test_shards_are_disjoint_and_cover_every_row(size: int, shuffle: bool) -> No
     assert {len(shard) for shard in seen} == {rows // size}
 
 
-def test_uneven_rows_are_padded_so_every_rank_takes_the_same_number_of_steps() -> None:
-    rows, size = 101, 4
-    loaders = shards(rows, size, shuffle=True, epoch=1)
-    flat = [i for loader in loaders for i in loader.indices().tolist()]
-    assert set(flat) == set(range(rows))
-    assert len(flat) == 104  # 3 rows repeated to pad the shards to 26 each
-    assert {len(loader) for loader in loaders} == {len(loaders[0])}
+def test_the_shuffled_order_changes_each_epoch_and_repeats_with_the_seed() -> None:
+    def order(epoch: int, seed: int) -> list[int]:
+        sampler = ShardSampler(40, rank=0, size=1, shuffle=True, seed=seed)
+        sampler.set_epoch(epoch)
+        return list(sampler)
 
-
-def test_epochs_reshuffle_the_same_way_on_every_rank() -> None:
-    first = [loader.indices() for loader in shards(64, 2, shuffle=True, epoch=1)]
-    again = [loader.indices() for loader in shards(64, 2, shuffle=True, epoch=1)]
-    second = [loader.indices() for loader in shards(64, 2, shuffle=True, epoch=2)]
-    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
-    assert not torch.equal(first[0], second[0])
+    assert order(1, seed=0) == order(1, seed=0)
+    assert order(1, seed=0) != order(2, seed=0)
+    assert order(1, seed=0) != order(1, seed=1)
+    assert sorted(order(2, seed=0)) == list(range(40))
 
 
 @pytest.mark.parametrize("rank", [0, 2])
@@ -136,15 +132,16 @@ def test_a_local_shard_is_shuffled_within_and_padded_to_the_longest(shuffle: boo
     assert (list(sampler) != first) == shuffle
 
 
-def test_a_local_shard_keeps_its_seed_formula() -> None:
-    """--shard-read's order, fixed: torch.randperm(6) seeded with seed + 1_000_003 x epoch +
-    rank (4 + 2_000_006 + rank here), then its first two again to reach the longest shard."""
-    orders = []
+@pytest.mark.parametrize(("seed", "epoch"), [(4, 2), (0, 0), (7, 5)])
+def test_a_local_shard_keeps_its_seed_formula(seed: int, epoch: int) -> None:
+    """--shard-read's order, fixed: torch.randperm(rows) seeded with seed + 1_000_003 x epoch
+    + rank, then its first rows again to reach the longest shard."""
     for rank in (0, 1):
-        sampler = OwnRowsSampler(rows=6, rank=rank, size=2, shuffle=True, seed=4, length=8)
-        sampler.set_epoch(2)
-        orders.append(sampler.order().tolist())
-    assert orders == [[3, 5, 4, 0, 1, 2, 3, 5], [1, 3, 0, 5, 4, 2, 1, 3]]
+        sampler = OwnRowsSampler(rows=6, rank=rank, size=2, shuffle=True, seed=seed, length=8)
+        sampler.set_epoch(epoch)
+        generator = torch.Generator().manual_seed(seed + 1_000_003 * epoch + rank)
+        order = torch.randperm(6, generator=generator).tolist()
+        assert sampler.order().tolist() == order + order[:2]
 
 
 @pytest.mark.parametrize(("count", "size"), [(10, 3), (3, 4), (100, 1), (7, 7)])

@@ -12,22 +12,34 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import psutil
 import pytest
 import torch
 from torch import nn
 
 import hvd_cpu
 from hvd_cpu import spark as hvd_spark
+from hvd_cpu.api import FitResult
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.runtime.failure import RankTraceback
 from hvd_cpu.spark import cluster
 from tests.jobs import processes_naming
-from tests.spark_cluster import COMMAND, ROWS, SparkCluster, needs_spark, table
+from tests.spark_cluster import (
+    COMMAND,
+    ROWS,
+    SparkCluster,
+    Witness,
+    bytes_to_driver,
+    needs_spark,
+    rows_by_process,
+    table,
+)
 
 pytestmark = needs_spark
 RANKS = 4
@@ -56,9 +68,12 @@ def parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_spark_fit_trains_as_fit_does(spark: Any, tmp_path: Path) -> None:
-    """Each rank on its own partition: the same parameters as hvd_cpu.fit with --shard-read
-    of the same rows per rank; and the whole table's loss as hvd_cpu.fit's, with Spark's own
-    partitioning. Then predictions on the executors match the model's here."""
+    """Each rank trains on its own partition, as hvd_cpu.fit(shard_read=True) ranks on their
+    own row groups: the same parameters and losses, bit for bit, with partitions made to hold
+    row group i each, and with the partitioning spark.fit makes itself of a one-partition frame
+    the executors read (round robin, the same on every evaluation: one map task), while the
+    driver receives far less than collecting those rows takes. Then predictions are computed
+    on the executors and match the model's here."""
     frame = table()
     parquet = tmp_path / "table.parquet"
     frame.to_parquet(parquet, row_group_size=ROWS // RANKS)
@@ -66,37 +81,62 @@ def test_spark_fit_trains_as_fit_does(spark: Any, tmp_path: Path) -> None:
     ours = hvd_spark.fit(
         partitioned(spark, frame, RANKS), num_proc=RANKS, output=tmp_path / "spark", **options
     )
-    theirs = hvd_cpu.fit(
-        parquet, np=RANKS, shard_read=True, output=tmp_path / "fit", **options
-    )  # fmt: skip
-    for name, value in parameters(theirs.model).items():
-        torch.testing.assert_close(parameters(ours.model)[name], value, rtol=1e-5, atol=1e-6)
+    theirs = hvd_cpu.fit(parquet, np=RANKS, shard_read=True, output=tmp_path / "fit", **options)
+    assert_same_training(ours, theirs)
     assert (tmp_path / "spark" / "model.pt").exists()
-    pd.testing.assert_frame_equal(
-        ours.history[["epoch", "train_loss", "val_loss"]],
-        theirs.history[["epoch", "train_loss", "val_loss"]],
-        rtol=1e-5,
-    )
 
-    shuffled = hvd_spark.fit(
-        spark.createDataFrame(frame).repartition(3), num_proc=RANKS,
-        output=tmp_path / "any", epochs=6, seed=3,
-    )  # fmt: skip
-    whole = hvd_cpu.fit(frame, np=RANKS, output=tmp_path / "whole", epochs=6, seed=3)
-    ours_loss, their_loss = (
-        shuffled.history["val_loss"].iloc[-1],
-        whole.history["val_loss"].iloc[-1],
+    one_file = tmp_path / "one.parquet"  # one partition: spark.fit repartitions it itself
+    table(ROWS * 5).to_parquet(one_file)
+    dealt = tmp_path / "dealt.parquet"
+    shards = spark_s_shards(spark, one_file, RANKS)
+    shards.to_parquet(dealt, row_group_size=len(shards) // RANKS)
+    own, sent = bytes_to_driver(
+        spark, lambda: hvd_spark.fit(one_file, num_proc=RANKS, output=tmp_path / "own", **options)
     )
-    assert ours_loss == pytest.approx(their_loss, rel=0.5), (ours_loss, their_loss)
-    assert ours_loss < 0.2 * shuffled.history["val_loss"].iloc[0]
+    dealt_fit = hvd_cpu.fit(dealt, np=RANKS, shard_read=True, output=tmp_path / "dealt", **options)
+    assert_same_training(own, dealt_fit)
+    _, collected = bytes_to_driver(spark, lambda: spark.read.parquet(str(one_file)).toPandas())
+    assert collected > shards.memory_usage().sum(), "the measure sees rows collected"
+    assert sent < collected / 10, (sent, collected)
 
-    rows = spark.createDataFrame(frame.drop(columns="target").assign(key=range(ROWS)))
-    predicted = hvd_spark.predict(tmp_path / "spark", rows, id_column="key").toPandas()
-    expected = ours.predict(frame.drop(columns="target").assign(key=range(ROWS)), "key")
-    predicted = predicted.sort_values("key").reset_index(drop=True)
-    pd.testing.assert_frame_equal(predicted, expected, check_dtype=False, rtol=1e-5)
+    keyed = frame.drop(columns="target").assign(key=range(ROWS))
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    witnessed = replace(ours, model=Witness(ours.model, seen))
+    predicted = hvd_spark.predict(witnessed, spark.createDataFrame(keyed), id_column="key")
+    predicted = predicted.toPandas().sort_values("key").reset_index(drop=True)
+    pd.testing.assert_frame_equal(predicted, ours.predict(keyed, "key"), check_dtype=False)
+    by_process = rows_by_process(seen)
+    assert by_process.pop(os.getpid(), 0) <= 1  # the one row the driver runs for the schema
+    assert sum(by_process.values()) == ROWS
+    executors = {executor.pid for executor in spark.cluster.executors()}
+    for pid in by_process:  # Spark's Python workers, children of an executor
+        assert executors & {parent.pid for parent in psutil.Process(pid).parents()}, pid
     with pytest.raises(InputError, match="lacks the feature column"):
-        hvd_spark.predict(ours, rows.drop("f1"), id_column="key")
+        hvd_spark.predict(tmp_path / "spark", spark.createDataFrame(keyed.drop(columns="f1")))
+
+
+def assert_same_training(ours: FitResult, theirs: FitResult) -> None:
+    """The same computation: the same parameters and losses, bit for bit."""
+    for name, value in parameters(theirs.model).items():
+        assert torch.equal(parameters(ours.model)[name], value), name
+    columns = ["epoch", "train_loss", "val_loss"]
+    pd.testing.assert_frame_equal(ours.history[columns], theirs.history[columns], check_exact=True)
+
+
+def spark_s_shards(spark: Any, path: Path, parts: int) -> pd.DataFrame:
+    """The rows of the parquet at `path` as `repartition(parts)` deals them out (what spark.fit
+    does to a frame of another partition count), partition after partition. From one
+    partition (one map task) every evaluation deals them alike."""
+    from pyspark.sql.functions import spark_partition_id
+
+    read = spark.read.parquet(str(path))
+    assert read.rdd.getNumPartitions() == 1
+    dealt = read.repartition(parts)
+    shards = dealt.withColumn("_part", spark_partition_id()).toPandas()
+    assert shards["_part"].is_monotonic_increasing
+    assert (shards["_part"].value_counts() == len(shards) // parts).all(), "equal row groups"
+    return shards.drop(columns="_part")
 
 
 @pytest.mark.slow

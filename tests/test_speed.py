@@ -1,6 +1,7 @@
 """The speed levers, checked for correctness (speed itself is measured in benchmarks/):
-local SGD averages exactly what it says, `hvd-cpu bench` measures and recommends, and
-horovodrun's build check is answered from the cache the install fills."""
+local SGD averages exactly what it says, `hvd-cpu bench` measures and recommends by its rule,
+horovodrun's build check is answered from the cache the install fills, and a waiting rank
+leaves its core to the ranks that work (Gloo's wait sleeps; MPI's yields)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 import shlex
 import struct
 import sys
+import tomllib
 import types
 from pathlib import Path
 
@@ -21,13 +23,27 @@ from hvd_cpu.data.features import FeatureTransform
 from hvd_cpu.model.networks import Network, parameter_digest
 from hvd_cpu.model.optim import adam
 from hvd_cpu.runtime import horovod
-from hvd_cpu.runtime.alone import Alone
-from hvd_cpu.runtime.world import SHARED_MEMORY_SWITCH, World
+from hvd_cpu.runtime.cores import usable_cores
+from hvd_cpu.runtime.mpi import YIELD_WHEN_IDLE
+from hvd_cpu.runtime.world import SHARED_MEMORY_SWITCH
+from hvd_cpu.tools import bench
 from hvd_cpu.training import sync
 
-from .jobs import BIN, horovodrun, hvd_cpu, load_model, metrics, run, slow_except
+from .jobs import (
+    BIN,
+    horovodrun,
+    horovodrun_command,
+    hvd_cpu,
+    load_model,
+    metrics,
+    ranks,
+    run,
+    slow_except,
+)
 
 SHARED_MEMORY = SHARED_MEMORY_SWITCH
+# The file beside Horovod's package where the fast-build-check patch keeps its answers.
+CACHE = ".build-checks.json"
 # How ranks.json words each every-step averaging (before the reason in brackets).
 SYNC_WORDS = {"direct": sync.DirectAveraging.what, "horovod": sync.HorovodAveraging.what}
 
@@ -141,16 +157,8 @@ def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
             assert m["wait_ms"] < m["compute_ms"], "one process has nobody to wait for"
         else:
             assert m["wait_ms"] > 0, "ranks that synchronise spend time doing it"
-    fastest = max(report["measurements"], key=lambda m: m["samples_per_s"])
-    asked = [
-        m for m in report["measurements"]
-        if m["setting"]["batch_size"] == 64 and m["setting"]["sync_every"] == 1
-    ]  # fmt: skip
     recommended = report["recommendation"]["setting"]
-    assert recommended in (
-        fastest["setting"],
-        max(asked, key=lambda m: m["samples_per_s"])["setting"],
-    )
+    assert recommended == recommended_by_rule(report["measurements"], batch=64)
     launched = [
         (launch["processes"], launch["threads"], launch["controller"])
         for launch in report["launches"]
@@ -171,24 +179,7 @@ def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
     ]
     trained = run([*words, "--epochs", "1", "--output", str(tmp_path / "as-recommended")])
     assert trained.returncode == 0, trained.stdout + trained.stderr
-    ran = json.loads((tmp_path / "as-recommended" / "ranks.json").read_text())
-    assert len(ran) == recommended["processes"]
-    assert {r["threads"] for r in ran} == {recommended["threads"]}
-    if recommended["processes"] > 1 and recommended["sync_every"] == 1:
-        averaged = SYNC_WORDS[recommended["allreduce"]]
-        assert all(r["sync"].startswith(averaged) for r in ran), ran
-    # --allreduce auto picks what the benchmark found fastest under MPI (the choice, not a
-    # time), at batch 64: about 30 timed steps a rank (at 256 this frame gives 8: too few).
-    # Not under Gloo: its hvd.DistributedOptimizer averages in one allreduce too, within noise.
-    mpi = {
-        m["setting"]["allreduce"]: m["samples_per_s"]
-        for m in report["measurements"]
-        if m["setting"]["controller"] == "mpi"
-        and m["setting"]["batch_size"] == 64
-        and m["setting"]["sync_every"] == 1
-    }
-    under_mpi = World(0, 2, 0, 2, 1, Alone(), "mpi")  # a backend from the calling thread
-    assert max(mpi, key=mpi.__getitem__) == sync.averaging("auto", under_mpi).allreduce, mpi
+    trains_as_measured(tmp_path / "as-recommended", recommended)
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", (out / "bench.png").read_bytes()[16:24])[0] > 100
 
@@ -197,6 +188,43 @@ def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
     assert again.stderr.strip().splitlines() == [
         f"hvd-cpu: error: {out} holds an earlier bench; pass --overwrite or another --output"
     ]
+
+
+def recommended_by_rule(measurements: list[dict], batch: int) -> dict:
+    """bench's rule, applied to what it measured: the fastest setting that trains as asked
+    (the asked per-rank batch, gradients averaged every step), unless another setting is
+    CLEAR_WIN times as fast."""
+
+    def speed(m: dict) -> float:
+        return m["samples_per_s"]
+
+    def as_asked(m: dict) -> bool:
+        return m["setting"]["batch_size"] == batch and m["setting"]["sync_every"] == 1
+
+    asked = [m for m in measurements if as_asked(m)]
+    best, fastest = max(asked, key=speed), max(measurements, key=speed)
+    return (fastest if speed(fastest) >= bench.CLEAR_WIN * speed(best) else best)["setting"]
+
+
+def trains_as_measured(output: Path, setting: dict) -> None:
+    """The run in `output` trained as `setting` was measured: as many ranks, threads, controller,
+    per-rank batch, sync interval and way of averaging."""
+    ran = ranks(output)
+    assert len(ran) == setting["processes"]
+    assert {r["threads"] for r in ran} == {setting["threads"]}
+    recorded = tomllib.loads((output / "config.toml").read_text())
+    assert (recorded["batch-size"], recorded["sync-every"]) == (
+        setting["batch_size"], setting["sync_every"]
+    )  # fmt: skip
+    if setting["processes"] == 1:
+        averaged = sync.HorovodAveraging.what  # a job of one, whatever the options
+    elif setting["sync_every"] > 1:
+        averaged = f"parameters averaged every {setting['sync_every']} steps"
+    else:
+        averaged = SYNC_WORDS[setting["allreduce"]]
+    assert all(r["sync"].split(" (")[0] == averaged for r in ran), ran
+    if setting["processes"] > 1:
+        assert {r["controller"] for r in ran} == {setting["controller"]}
 
 
 @pytest.mark.slow
@@ -212,19 +240,38 @@ def test_bench_refuses_to_run_under_horovodrun_with_one_line_every_time(tmp_path
         ]
 
 
-def test_horovodrun_build_check_is_answered_from_the_cache() -> None:
+def test_horovodrun_build_check_is_answered_from_the_cache(tmp_path: Path) -> None:
     """The install ran `horovodrun --check-build`, which filled the cache beside Horovod's
-    torch extension; every later launch reads it instead of importing torch twice."""
-    checked = run([str(BIN / "horovodrun"), "--check-build"])
-    assert checked.returncode == 0
+    torch extension; every later launch reads it instead of importing torch twice. Proved
+    with a Horovod whose cache (beside the same extension: the tree is links to this one's
+    files) says Gloo is not built: a launch over Gloo believes it, and would not if it asked
+    the extension."""
     import horovod
 
-    cache = json.loads((Path(horovod.__file__).parent / ".build-checks.json").read_text())
+    installed = Path(horovod.__file__).parent
+    cache = json.loads((installed / CACHE).read_text())
     assert {key: answer for key, (_, answer) in cache.items() if key.startswith("torch|")} == {
         "torch|built with MPI": True,
         "torch|built with Gloo": True,
     }
     assert all("mpi_lib_v2" in fingerprint for fingerprint, _ in cache.values())
+
+    linked = tmp_path / "horovod"
+    linked.mkdir()
+    for entry in installed.iterdir():  # common/ of its own: the cache is found beside util.py
+        if entry.name not in ("common", CACHE):
+            (linked / entry.name).symlink_to(entry)
+    (linked / "common").mkdir()
+    for entry in (installed / "common").iterdir():
+        (linked / "common" / entry.name).symlink_to(entry)
+    planted = {key: [fingerprint, False] for key, (fingerprint, _) in cache.items()}
+    (linked / CACHE).write_text(json.dumps(planted))
+    command = [str(BIN / "horovodrun"), "--gloo", "-np", "1", str(BIN / "python"), "-c", "pass"]
+    env = {"PYTHONPATH": str(tmp_path), "PYTHONDONTWRITEBYTECODE": "1"}
+    launched = run(command, env=env)
+    assert launched.returncode != 0, launched.stdout + launched.stderr
+    assert "Gloo support has not been built" in launched.stderr, launched.stderr
+    assert str(linked / "runner") in launched.stderr  # this tree's Horovod answered
 
 
 @pytest.mark.slow
@@ -279,6 +326,55 @@ def test_a_rank_waiting_for_an_allreduce_sleeps_instead_of_spinning(shared_memor
         float(m[1]) for _, t in job.rank_lines(0) if (m := re.match(r"cpu share ([\d.]+)", t))
     ]
     assert share < 0.3
+
+
+# CPU seconds the odd ranks work while the even ones wait for them.
+WORK = 0.5
+# Ranks 2k and 2k + 1 share the k-th core once joined (hvd-cpu has chosen how MPI waits; rank
+# 2 had Open MPI's busy-polling forced): the odd rank works while the even one waits for it in
+# an allreduce of their own; ranks 0 and 2 print the CPU seconds their wait took.
+PAIRS_ON_CORES = f"""
+import os, time
+import numpy as np
+from hvd_cpu.runtime import join
+rank = int(os.environ['OMPI_COMM_WORLD_RANK'])
+if rank == 2:
+    os.environ['{YIELD_WHEN_IDLE}'] = '0'
+join.init(1)
+from mpi4py import MPI
+pair = MPI.COMM_WORLD.Split(rank // 2)
+core = sorted(os.sched_getaffinity(0))[rank // 2]
+for thread in os.listdir('/proc/self/task'):
+    os.sched_setaffinity(int(thread), {{core}})
+pair.Allreduce(MPI.IN_PLACE, np.ones(8))
+start = time.process_time()
+while rank % 2 and time.process_time() - start < {WORK}:
+    pass
+pair.Allreduce(MPI.IN_PLACE, np.ones(8))
+if rank in (0, 2):
+    print(f'waiting cpu {{time.process_time() - start:.3f}}')
+"""
+
+
+def test_an_mpi_rank_waiting_with_more_ranks_than_cores_yields_its_core() -> None:
+    """runtime/mpi.py: with more ranks than cores on a host, a rank waiting in MPI yields its
+    core instead of busy-polling. Two ranks more than there are cores, in pairs on a core
+    each, one working for WORK CPU seconds while the other waits for it: rank 0 spends a small
+    part of that on its wait; rank 2, its busy-polling forced (OMPI_MCA_mpi_yield_when_idle=0,
+    which hvd-cpu leaves as set), the reference that shows this measure can fail, about as
+    much. (Two waiting ranks on one core would yield to each other, and spin.)"""
+    cores = usable_cores()
+    if cores < 2:
+        pytest.skip("two pairs of ranks need two cores")
+    python = (str(BIN / "python"), "-c", PAIRS_ON_CORES)
+    job = run(horovodrun_command(cores + 2, "mpi", program=python))
+    assert job.returncode == 0, job.stdout + job.stderr
+    waited = {
+        rank: float(m[1])
+        for rank, text in job.rank_lines()
+        if (m := re.match(r"waiting cpu ([\d.]+)", text))
+    }
+    assert waited[0] < WORK / 2 <= waited[2], waited
 
 
 @pytest.mark.parametrize("controller", slow_except(["gloo", "mpi"], ["mpi"]))
