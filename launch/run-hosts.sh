@@ -44,7 +44,7 @@ if [[ $controller == mpi ]]; then
   # know and, without a terminal, fails with "Host key verification failed" (horovodrun's
   # cached ssh check no longer records them). Same options as horovodrun's ssh: a host's key
   # is recorded on first contact and checked from then on.
-  export OMPI_MCA_plm_rsh_agent=${OMPI_MCA_plm_rsh_agent:-ssh -o PasswordAuthentication=no -o StrictHostKeyChecking=accept-new}
+  export OMPI_MCA_plm_rsh_agent=${OMPI_MCA_plm_rsh_agent:-ssh -o PasswordAuthentication=no -o StrictHostKeyChecking=accept-new -o ServerAliveInterval=5 -o ServerAliveCountMax=3}
   # Without NIC horovodrun finds the common interface and restricts MPI's data (btl) to it;
   # the daemons' control channel (oob) then still tries every address mpirun's host has.
   [[ -n ${NIC:-} ]] && launcher+=(--mpi-args "-mca oob_tcp_if_include $NIC")

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from .hosts import SSH_PORT, Hosts, needs_namespaces
+from .hosts import SSH_PORT, Hosts, assert_ranks_numbered_by_host, needs_namespaces
 from .jobs import BIN, SLOW, ranks, run
 
 CGROUPS = Path("/sys/fs/cgroup/memory")
@@ -96,18 +96,19 @@ def test_two_hosts_train_on_a_table_one_capped_rank_cannot_read(
     tmp_path: Path, capped: Path, hosts: Hosts
 ) -> None:
     table = big_table(tmp_path / "big.parquet")
-    train = [str(BIN / "hvd-cpu"), "train", "--data", str(table), "--epochs", "1",
-             "--batch-size", "65536"]  # fmt: skip
+    train = [str(BIN / "hvd-cpu"), "train", "--epochs", "1", "--batch-size", "65536"]
 
-    whole = run([str(capped), *train, "--output", str(tmp_path / "whole")], timeout=600)
+    whole = run([str(capped), *train, "--data", str(table), "--output", str(tmp_path / "whole")],
+                timeout=600)  # fmt: skip
     assert whole.returncode == -9, whole.stdout + whole.stderr  # killed over the cap
 
     launcher = [str(BIN / "horovodrun"), "--gloo", "-np", "2", "--disable-cache", "--hostfile",
                 str(hosts.hostfile(1)), "-p", str(SSH_PORT), "-i", str(hosts.key)]  # fmt: skip
-    output = tmp_path / "sharded"
-    sharded = run([*launcher, str(capped), *train, "--shard-read", "--output", str(output)],
-                  timeout=900)  # fmt: skip
+    data = hosts.place(table)  # a copy on each host's disk
+    output = hosts.local / "sharded"
+    sharded = run([*launcher, str(capped), *train, "--data", str(data), "--shard-read",
+                   "--output", str(output)], timeout=900)  # fmt: skip
     assert sharded.returncode == 0, sharded.stdout + sharded.stderr  # none went over the cap
-    report = ranks(output)
-    assert {r["host"] for r in report} == {"hvdhosta", "hvdhostb"}
+    report = ranks(hosts.hosts[0].path(output))  # on rank 0's host
+    assert_ranks_numbered_by_host(report, ["hvdhosta", "hvdhostb"], 1)
     assert [r["rows_read"] for r in report] == [ROWS // 2, ROWS // 2]

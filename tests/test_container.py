@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .hosts import Hosts
+from .hosts import Hosts, assert_ranks_numbered_by_host
 from .jobs import REPO, Run, demo_file, needs_root_and_apt, run
 
 TAG = "localhost/hvd-cpu:test"
@@ -132,6 +132,7 @@ def trained_ranks(output: Path, controller: str, hosts: list[str] | None = None)
     assert len({r["param_sha256"] for r in ranks}) == 1
     if hosts is not None:
         assert [r["host"] for r in ranks] == hosts
+        assert_ranks_numbered_by_host(ranks, hosts, 1)
     return ranks
 
 

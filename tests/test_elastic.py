@@ -3,6 +3,7 @@ with launch/elastic.sh, real SIGKILLs, on one host and on two (network namespace
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .hosts import SSH_PORT, Hosts, needs_namespaces
+from .hosts import SSH_PORT, Hosts, assert_ranks_numbered_by_host, needs_namespaces
 from .jobs import (
     BIN,
     REPO,
@@ -98,14 +99,15 @@ def close_to(final: dict, reference: dict) -> None:
 
 
 def survived(job: LiveJob, output: Path, reference: list[dict], *, killed: float, went_on: float,
-             back: float) -> list[int]:  # fmt: skip
+             back: float, written: Path | None = None) -> list[int]:  # fmt: skip
     """The end of a job that lost ranks and got them back: it finished, every epoch ran exactly
     once, the loss ended where an uninterrupted run's does, and nothing was left; returns each
-    epoch's number of ranks."""
+    epoch's number of ranks. `written`: where this machine reads the run, if not at `output`
+    (on rank 0's host)."""
     assert job.finish(300) == 0, job.summary()
     print(f"went on {went_on - killed:.1f} s after the kill, at 4 ranks again after "
           f"{back - killed:.1f} s")  # fmt: skip
-    history = metrics(output)
+    history = metrics(written or output)
     assert [m["epoch"] for m in history] == list(range(1, EPOCHS + 1))
     close_to(history[-1], reference[-1])
     assert "Traceback" not in job.output
@@ -212,6 +214,64 @@ def test_a_killed_rank_is_a_lost_rank_not_a_stall(tmp_path: Path) -> None:
     no_process_left(output)
 
 
+# The seed's network with one difference: the process that started as rank 1 kills itself
+# (SIGKILL) in its STEP-th training step, once (the marker file says it did).
+DIES_AT_STEP = """
+import os
+import signal
+
+import torch
+
+
+class DiesAtStep(torch.nn.Module):
+    def __init__(self, n_features, n_outputs):
+        super().__init__()
+        self.layer = torch.nn.Linear(n_features, n_outputs)
+        self.steps = 0
+
+    def forward(self, x):
+        if self.training and len(x) == {batch}:  # a training step's batch, not the build's check
+            self.steps += 1
+            if self.steps == {step} and os.environ["HOROVOD_RANK"] == "1":
+                try:
+                    os.close(os.open({marker!r}, os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    pass
+                else:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        return self.layer(x)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("every", [10, 1000])
+def test_commit_every_sets_the_step_a_lost_rank_rolls_back_to(
+    every: int, demo_parquet: Path, tmp_path: Path
+) -> None:
+    """--commit-every N: the ranks commit after every N-th step (and at the start), so when
+    rank 1 dies in step STEP the survivor goes back to the last multiple of N before it."""
+    batch, step = 32, 26  # 4096 rows, 2 ranks: 64 steps in the one epoch
+    model = tmp_path / "dies.py"
+    model.write_text(DIES_AT_STEP.format(batch=batch, step=step, marker=str(tmp_path / "died")))
+    output = tmp_path / "out"
+    # A long cool-down: the lost rank's host stays out to the end (one change of ranks).
+    job = elastic("--data", str(demo_parquet), "--epochs", "1", "--val-fraction", "0",
+                  "--batch-size", str(batch), "--model", f"{model}:DiesAtStep",
+                  "--commit-every", str(every), "--output", str(output),
+                  NP="2", COOLDOWN="60 60")  # fmt: skip
+    assert job.finish(120) == 0, job.summary()
+    assert (tmp_path / "died").exists()
+    committed = (step - 1) // every * every  # steps 1 .. STEP-1 were taken by both ranks
+    rows = committed * batch * 2
+    went_on = [line for line in job.output.splitlines() if "going on from" in line]
+    assert len(went_on) == 1, job.summary()
+    assert went_on[0].endswith(
+        f"hvd-cpu: 2 -> 1 ranks; going on from the last commit "
+        f"(epoch 1, step {committed}, {rows} rows into it)"
+    )
+    assert [m["epoch"] for m in metrics(output)] == [1]
+
+
 DROPPED_CLIENT = """
 import socket, struct, sys, threading
 from http.server import HTTPServer
@@ -287,31 +347,53 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
 @pytest.mark.slow
 @needs_namespaces
 def test_a_lost_host_is_survived_and_taken_back_when_it_returns(
-    hosts: Hosts, frame: Path, paced: tuple[str, str], uninterrupted: list[dict], tmp_path: Path
+    hosts: Hosts,
+    frame: Path,
+    paced: tuple[str, str],
+    uninterrupted: list[dict],
+    tmp_path: Path,
 ) -> None:
-    output = tmp_path / "out"
+    """The second host goes down: it drops off the network (its sshd out of reach) and its
+    ranks die with it; it comes back when the network does. The job stood still until then
+    before our ssh-keepalive patch: Horovod's elastic driver starts the next set of ranks
+    only once every lost rank's ssh has ended, and nothing ended a lost host's sessions."""
+    data = hosts.place(frame)  # on each host's disk; the run's files go to rank 0's
+    output = hosts.local / tmp_path.name / "out"
     hostfile = tmp_path / "hosts"
     both = "".join(f"{h.address} slots=2\n" for h in hosts.hosts)
     hostfile.write_text(both)
     job = elastic(
-        "--data", str(frame), "--epochs", str(EPOCHS), *paced, "--output", str(output),
+        "--data", str(data), "--epochs", str(EPOCHS), *paced, "--output", str(output),
         HVD_CPU_HOSTFILE=str(hostfile), SSH_PORT=str(SSH_PORT), SSH_KEY=str(hosts.key),
     )  # fmt: skip
     job.wait_for(r"Epoch 2:", 120)
-    lost = hosts.hosts[1]
-    hostfile.write_text(f"{hosts.hosts[0].address} slots=2\n")  # its discovery line goes
+    kept, lost = hosts.hosts
+    hostfile.write_text(f"{kept.address} slots=2\n")  # its discovery line goes
     victims = [
         pid for pid, env in ranks_of(output) if env["HOROVOD_HOSTNAME"] == lost.address
     ]  # fmt: skip
     assert len(victims) == 2
     killed = time.monotonic()
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
-    went_on = job.wait_for(r"hvd-cpu: 4 -> 2 ranks; going on from the last commit", 60)
+    try:
+        hosts.disconnect(lost)
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        went_on = job.wait_for(r"hvd-cpu: 4 -> 2 ranks; going on from the last commit", 150)
+        unreached = hosts.ssh(lost, "true")
+        assert unreached.returncode == 255 and "timed out" in unreached.stderr, unreached
+    except BaseException:
+        for pid in hosts.processes(f"--output {output}"):  # the ranks left, their ssh clients
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        hosts.reconnect(lost)
     hostfile.write_text(both)  # ... and comes back
     back = job.wait_for(r"hvd-cpu: 2 -> 4 ranks", 90)
-    sizes = survived(job, output, uninterrupted, killed=killed, went_on=went_on, back=back)
+    written = kept.path(output)
+    sizes = survived(
+        job, output, uninterrupted, killed=killed, went_on=went_on, back=back, written=written
+    )
     assert set(sizes) == {2, 4}
-    written = ranks(output)
-    assert sorted(r["host"] for r in written) == ["hvdela", "hvdela", "hvdelb", "hvdelb"]
-    assert len({r["param_sha256"] for r in written}) == 1
+    assert_ranks_numbered_by_host(ranks(written), ["hvdela", "hvdelb"], 2)
+    assert len({r["param_sha256"] for r in ranks(written)}) == 1

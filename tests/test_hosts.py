@@ -1,5 +1,6 @@
-"""Two real hosts (network namespaces, each with its own sshd, hostname and address): the same
-job over a host file, `doctor`, and what happens when a host or a rank goes away."""
+"""Two real hosts (network namespaces, each with its own sshd, hostname, address, /dev/shm and
+disk): the same job over a host file, `doctor`, and what happens when a host or a rank goes
+away. Data goes on each host's disk (`Hosts.local`), and a run's files are read from rank 0's."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .hosts import SSH_PORT, Hosts, needs_namespaces
+from .hosts import SSH_PORT, Host, Hosts, assert_ranks_numbered_by_host, needs_namespaces
 from .jobs import BIN, REPO, Run, demo_file, horovodrun, hvd_cpu, metrics, run
 
 pytestmark = [needs_namespaces, pytest.mark.slow]
@@ -24,6 +25,17 @@ pytestmark = [needs_namespaces, pytest.mark.slow]
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     with Hosts(tmp_path_factory.mktemp("hosts"), ["hvdhosta", "hvdhostb"]) as made:
         yield made
+
+
+@pytest.fixture
+def local(hosts: Hosts, tmp_path: Path) -> Path:
+    """A folder of this test's own on the hosts' disks, for its data and outputs."""
+    return hosts.local / tmp_path.name
+
+
+def rank_0s(hosts: Hosts) -> Host:
+    """Where a job's files are: the first host of the host file runs rank 0."""
+    return hosts.hosts[0]
 
 
 @pytest.fixture
@@ -75,13 +87,18 @@ def ranks_of(output: Path) -> list[dict]:
     return json.loads((output / "ranks.json").read_text())
 
 
-def spread_over_both_hosts(output: Path, controller: str) -> None:
-    """Ranks 0, 1 on the first host and 2, 3 on the second, all on `controller`, all ending
-    with the same parameters."""
-    ranks = ranks_of(output)
+def spread_over_both_hosts(hosts: Hosts, output: Path, controller: str) -> Path:
+    """Ranks 0, 1 on the first host and 2, 3 on the second, numbered 0, 1 on each, all on
+    `controller`, all ending with the same parameters; where this machine reads the run (on
+    rank 0's host: the other has none of it)."""
+    written = rank_0s(hosts).path(output)
+    ranks = ranks_of(written)
     assert [r["host"] for r in ranks] == ["hvdhosta", "hvdhosta", "hvdhostb", "hvdhostb"]
+    assert_ranks_numbered_by_host(ranks, ["hvdhosta", "hvdhostb"], 2)
     assert {r["controller"] for r in ranks} == {controller}
     assert len({r["param_sha256"] for r in ranks}) == 1
+    assert not hosts.hosts[1].path(output).exists()
+    return written
 
 
 def parameters(folder: Path) -> dict[str, torch.Tensor]:
@@ -97,24 +114,28 @@ def assert_close_parameters(got: Path, want: Path) -> None:
 
 
 def test_four_ranks_on_two_hosts_train_like_four_on_one(
-    hosts: Hosts, local_four: Path, tmp_path: Path
+    hosts: Hosts, local_four: Path, local: Path
 ) -> None:
     """Gloo, run-hosts.sh's default controller: through shared memory within each host and
-    TCP between them (hierarchical), as flat TCP gives (HOROVOD_GLOO_SHARED_MEMORY=0)."""
-    spread = run_hosts(hosts, tmp_path / "spread")
+    TCP between them (hierarchical), as flat TCP gives (HOROVOD_GLOO_SHARED_MEMORY=0). Each
+    host's ranks share a segment in that host's /dev/shm: ranks of both grouped as one host
+    would find no segment on the other and take TCP."""
+    spread = run_hosts(hosts, local / "spread", HOROVOD_LOG_LEVEL="debug")
     assert spread.returncode == 0, spread.stdout + spread.stderr
-    spread_over_both_hosts(tmp_path / "spread", "gloo")
-    assert {r["transport"] for r in ranks_of(tmp_path / "spread")} == {"shared memory"}
+    written = spread_over_both_hosts(hosts, local / "spread", "gloo")
+    assert {r["transport"] for r in ranks_of(written)} == {"shared memory"}
+    path = "Gloo through shared memory between 2 local ranks, hierarchical across hosts"
+    assert sorted({rank for rank, text in spread.rank_lines() if path in text}) == [0, 1, 2, 3]
 
     def losses(folder: Path) -> list[float]:
         return [record["train_loss"] for record in metrics(folder)]
 
-    assert losses(tmp_path / "spread") == pytest.approx(losses(local_four), rel=1e-6)
-    flat = run_hosts(hosts, tmp_path / "flat", HOROVOD_GLOO_SHARED_MEMORY="0")
+    assert losses(written) == pytest.approx(losses(local_four), rel=1e-6)
+    flat = run_hosts(hosts, local / "flat", HOROVOD_GLOO_SHARED_MEMORY="0")
     assert flat.returncode == 0, flat.stdout + flat.stderr
-    transports = {r["transport"] for r in ranks_of(tmp_path / "flat")}
+    transports = {r["transport"] for r in ranks_of(rank_0s(hosts).path(local / "flat"))}
     assert transports == {"TCP (turned off by HOROVOD_GLOO_SHARED_MEMORY=0)"}
-    assert_close_parameters(tmp_path / "spread", tmp_path / "flat")
+    assert_close_parameters(written, rank_0s(hosts).path(local / "flat"))
 
 
 @pytest.mark.parametrize(
@@ -123,23 +144,20 @@ def test_four_ranks_on_two_hosts_train_like_four_on_one(
     ids=["horovod-allreduce-nic-found-by-horovodrun", "direct-allreduce-nic-named"],
 )
 def test_four_mpi_ranks_on_two_hosts_train_like_four_gloo_ranks_on_one(
-    hosts: Hosts, local_four: Path, tmp_path: Path, allreduce: str, nic: str
+    hosts: Hosts, local_four: Path, local: Path, allreduce: str, nic: str
 ) -> None:
     """CONTROLLER=mpi: mpirun starts orted on each host over ssh. The hosts' keys are not in
     known_hosts, and horovodrun's cache of its own ssh check (which records them) is warm after
     the Gloo test: mpirun's ssh must still get through. 4 ranks may sum in another order than
     Gloo's, hence a tolerance instead of equality."""
     hosts.forget_host_keys()
-    spread = run_hosts(
-        hosts, tmp_path / "spread", "--allreduce", allreduce, CONTROLLER="mpi", NIC=nic
-    )
+    spread = run_hosts(hosts, local / "spread", "--allreduce", allreduce, CONTROLLER="mpi", NIC=nic)
     assert spread.returncode == 0, spread.stdout + spread.stderr
-    spread_over_both_hosts(tmp_path / "spread", "mpi")
-    assert_close_parameters(tmp_path / "spread", local_four)
+    assert_close_parameters(spread_over_both_hosts(hosts, local / "spread", "mpi"), local_four)
 
 
 def test_doctor_passes_on_a_good_set_up(hosts: Hosts, tmp_path: Path) -> None:
-    data = demo_file(tmp_path / "frame.parquet", rows=100)
+    data = hosts.place(demo_file(tmp_path / "doctor.parquet", rows=100))
     checked = doctor(hosts, "--data", str(data))
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert checked.stdout.splitlines()[-1] == "13 of 13 checks OK"
@@ -153,6 +171,26 @@ def test_doctor_passes_on_a_good_set_up(hosts: Hosts, tmp_path: Path) -> None:
     assert [line.split()[5] for line in open_mpi] == ["198.18.0.2", "198.18.0.3"]
     assert all("/orted" in line for line in open_mpi)
     assert "common network interface  all hosts   hvd0" in checked.stdout
+
+
+def test_data_on_one_host_only_is_named_by_doctor_and_ends_the_job_in_one_line(
+    hosts: Hosts, tmp_path: Path, local: Path
+) -> None:
+    """Each host reads its own disk: data copied to the first host only is not on the second."""
+    data = hosts.place(demo_file(tmp_path / "first-only.parquet", rows=200), on=[rank_0s(hosts)])
+    checked = doctor(hosts, "--data", str(data))
+    assert checked.returncode == 1
+    failures = [" ".join(line.split()) for line in checked.stdout.splitlines() if "FAIL" in line]
+    assert failures == [f"FAIL data readable 198.18.0.3 {data}"]
+    fix = f"fix: copy the data to {data} on 198.18.0.3, or mount shared storage there"
+    assert fix in checked.stdout
+    job = over_hosts(hosts, "train", "--data", str(data), "--output", str(local / "out"))
+    assert job.returncode == 2, job.stdout + job.stderr
+    ours = [text for _, text in job.rank_lines() if "hvd-cpu" in text]
+    assert ours == [
+        f"hvd-cpu: error: on rank 2 (hvdhostb): data file not found: {data}; check the path "
+        "(it must exist on every host)"
+    ], job.stdout + job.stderr
 
 
 def test_doctor_names_the_host_without_orted_on_its_ssh_path(hosts: Hosts, sshd_back: None) -> None:
@@ -184,7 +222,7 @@ def test_doctor_names_the_host_whose_sshd_is_down(hosts: Hosts, sshd_back: None)
 
 
 def test_hosts_whose_names_resolve_to_loopback_train_together(
-    hosts: Hosts, local_four: Path, tmp_path: Path, sshd_back: None
+    hosts: Hosts, local_four: Path, local: Path, sshd_back: None
 ) -> None:
     """Debian's /etc/hosts maps a machine's own name to 127.0.1.1. Horovod's Gloo bound the
     connections of each process set (the global one included) to the address the hostname
@@ -195,10 +233,9 @@ def test_hosts_whose_names_resolve_to_loopback_train_together(
         hosts.resolve(host, "127.0.1.1")
     checked = doctor(hosts)
     assert checked.returncode == 0, checked.stdout
-    spread = run_hosts(hosts, tmp_path / "spread")
+    spread = run_hosts(hosts, local / "spread")
     assert spread.returncode == 0, spread.stdout + spread.stderr
-    spread_over_both_hosts(tmp_path / "spread", "gloo")
-    assert_close_parameters(tmp_path / "spread", local_four)
+    assert_close_parameters(spread_over_both_hosts(hosts, local / "spread", "gloo"), local_four)
 
 
 def test_a_launch_with_a_host_down_fails_fast_naming_it(hosts: Hosts, sshd_back: None) -> None:
@@ -211,11 +248,11 @@ def test_a_launch_with_a_host_down_fails_fast_naming_it(hosts: Hosts, sshd_back:
 
 
 def test_a_rank_killed_on_the_remote_host_ends_the_job_everywhere(
-    hosts: Hosts, tmp_path: Path
+    hosts: Hosts, local: Path
 ) -> None:
-    output = tmp_path / "killed"
+    output = local / "killed"
     job = start_over_hosts(hosts, output, "gloo")
-    wait_for_epochs(job, output, 1)
+    wait_for_epochs(job, rank_0s(hosts).path(output), 1)
     remote = a_remote_rank(hosts, output)
     killed_at = time.monotonic()
     os.kill(remote, signal.SIGKILL)
@@ -225,8 +262,8 @@ def test_a_rank_killed_on_the_remote_host_ends_the_job_everywhere(
         job.kill()
         pytest.fail("horovodrun did not end within 30 s of losing a rank")
     assert job.returncode != 0
-    assert time.monotonic() - killed_at < 30
-    assert_nothing_left(hosts, output)
+    assert_nothing_left(hosts, output)  # it waits for them up to 10 s more
+    assert time.monotonic() - killed_at < 30, "the job's last process ended 30 s or more after"
     printed = job.stdout.read().decode()
     assert "Traceback" not in printed
     assert "lost another rank of the job" in printed
@@ -243,9 +280,10 @@ def start_over_hosts(hosts: Hosts, output: Path, controller: str, *extra: str) -
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def wait_for_epochs(job: subprocess.Popen, output: Path, count: int) -> None:
-    """Until the job has written `count` epochs; fails with what it printed if it ends first."""
-    metrics = output / "metrics.jsonl"
+def wait_for_epochs(job: subprocess.Popen, written: Path, count: int) -> None:
+    """Until the job has written `count` epochs (to `written`, its output on rank 0's host);
+    fails with what it printed if it ends first."""
+    metrics = written / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not metrics.exists() or len(metrics.read_text().splitlines()) < count:
         if job.poll() is not None or time.monotonic() > deadline:
@@ -286,6 +324,22 @@ def test_hosts_are_reachable_only_through_the_test_bridge(hosts: Hosts) -> None:
     assert "default" not in routes.stdout and "198.18.0.0/24 dev hvd0" in routes.stdout
 
 
+def test_each_host_has_a_dev_shm_and_a_disk_of_its_own(hosts: Hosts, local: Path) -> None:
+    """The set-up itself: what one host writes to /dev/shm and its disk is not on the other
+    host nor on this machine, while the environment installed here is on both."""
+    first, second = hosts.hosts
+    made = hosts.ssh(first, f"mkdir -p {local} && touch /dev/shm/hvd-cpu-test {local}/mine")
+    assert made.returncode == 0, made.stderr
+    try:
+        assert first.path(local / "mine").exists() and not (local / "mine").exists()
+        assert not Path("/dev/shm/hvd-cpu-test").exists()
+        seen = hosts.ssh(second, f"ls /dev/shm/hvd-cpu-test {local}/mine; test -x {BIN}/hvd-cpu")
+        assert seen.returncode == 0 and seen.stdout == "", seen
+        assert seen.stderr.count("No such file or directory") == 2, seen
+    finally:
+        hosts.ssh(first, "rm /dev/shm/hvd-cpu-test")
+
+
 # Longer than elsewhere: 4 ranks of 2 hosts on this 2-core VM, where all ranks of one host were
 # seen to stand still for 6.6 s at a job's start (under MPI, 1 run in about 15).
 STALL_SECONDS = 15
@@ -297,14 +351,14 @@ STALL_SECONDS = 15
 # on one host (test_faults.py) and under srun (test_slurm.py).
 @pytest.mark.parametrize("controller", ["gloo"])
 def test_a_rank_stopped_on_the_remote_host_is_named_and_the_job_ends_everywhere(
-    hosts: Hosts, tmp_path: Path, controller: str
+    hosts: Hosts, local: Path, controller: str
 ) -> None:
     """SIGSTOP of a rank on the other host: a live rank names it and its host after
     --stall-seconds, the job exits 1, and the launcher takes the stopped process too (hvd-cpu
     kills a stalled rank only under --elastic; these hosts share a kernel, real ones do not)."""
-    output = tmp_path / "stopped"
+    output = local / "stopped"
     job = start_over_hosts(hosts, output, controller, "--stall-seconds", str(STALL_SECONDS))
-    wait_for_epochs(job, output, 2)
+    wait_for_epochs(job, rank_0s(hosts).path(output), 2)
     remote = a_remote_rank(hosts, output)
     host = run(["ip", "netns", "identify", str(remote)]).stdout.strip()
     os.kill(remote, signal.SIGSTOP)

@@ -7,6 +7,7 @@ Gloo jobs of 2 and 4 ranks, real SIGKILLs."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -18,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from .hosts import SSH_PORT, Hosts, needs_namespaces
+from .hosts import SSH_PORT, Hosts, assert_ranks_numbered_by_host, needs_namespaces
 from .jobs import REPO, LiveJob, horovodrun, horovodrun_command, processes_naming, run
 
 STRESS = str(REPO / "tests" / "shared_memory_stress.py")
@@ -288,10 +289,14 @@ def test_across_two_hosts_a_rank_late_by_35_s_is_waited_for(tmp_path: Path) -> N
     with Hosts(tmp_path / "hosts", ["hvdlatea", "hvdlateb"]) as hosts:
         launcher = ("--hostfile", str(hosts.hostfile(2)), "-p", str(SSH_PORT), "-i",
                     str(hosts.key))  # fmt: skip
+        output = hosts.local / "out"
         job = horovodrun(4, "train", "--epochs", "1", "--model", late_model(tmp_path, 35),
-                         "--output", str(tmp_path / "out"), launcher=launcher,
-                         timeout=240)  # fmt: skip
+                         "--output", str(output), launcher=launcher, timeout=240)  # fmt: skip
     assert job.returncode == 0, job.stdout + job.stderr
+    written = hosts.hosts[0].path(output)  # on rank 0's host's disk, kept after the hosts
+    report = json.loads((written / "ranks.json").read_text())
+    assert_ranks_numbered_by_host(report, ["hvdlatea", "hvdlateb"], 2)
+    assert {r["transport"] for r in report} == {"shared memory"}
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hosts import Hosts, needs_namespaces
+from tests.hosts import Hosts, assert_ranks_numbered_by_host, needs_namespaces
 from tests.spark_cluster import COMMAND, SparkCluster, needs_spark, table
 
 pytestmark = [needs_namespaces, needs_spark, pytest.mark.slow]
@@ -20,6 +20,8 @@ BRIDGE, SUBNET = "hvdspark0", "198.18.5"
 
 
 def test_ranks_on_two_hosts(tmp_path: Path) -> None:
+    """The data and the run in tmp_path: the storage all hosts share, as Spark's --output must
+    be (docs/spark.md); each host's /dev/shm its own."""
     parquet = tmp_path / "t.parquet"
     table(8000).to_parquet(parquet)
     names = ["sparkhosta", "sparkhostb"]
@@ -39,8 +41,7 @@ def test_ranks_on_two_hosts(tmp_path: Path) -> None:
     ranks = json.loads((tmp_path / "run" / "ranks.json").read_text())
     # Two consecutive ranks on each host, as horovodrun lays them out; which host holds
     # rank 0 is Spark's choice (where partition 0's task runs).
-    hosts_by_rank = [rank["host"] for rank in sorted(ranks, key=lambda rank: rank["rank"])]
-    assert sorted(hosts_by_rank) == ["sparkhosta"] * 2 + ["sparkhostb"] * 2, hosts_by_rank
-    assert hosts_by_rank[0] == hosts_by_rank[1] != hosts_by_rank[2] == hosts_by_rank[3]
+    assert_ranks_numbered_by_host(ranks, names, 2)
+    assert {rank["transport"] for rank in ranks} == {"shared memory"}
     assert len({rank["param_sha256"] for rank in ranks}) == 1  # one model, averaged across
     assert sum(rank["rows_read"] for rank in ranks) == 8000  # each its own partition

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import http.server
+import json
 import os
 import socket
 import subprocess
@@ -24,7 +25,7 @@ from horovod.runner.http import http_auth
 from horovod.runner.http.http_client import put_data_into_kvstore, read_data_from_kvstore
 from horovod.runner.http.http_server import KVStoreServer, RendezvousServer
 
-from .hosts import SSH_PORT, SUBNET, Hosts, needs_namespaces
+from .hosts import SSH_PORT, SUBNET, Hosts, assert_ranks_numbered_by_host, needs_namespaces
 from .intruder import attack_http, attack_wire, evil_payloads, sockets, tree
 from .jobs import (
     BIN,
@@ -340,14 +341,15 @@ def test_across_two_hosts_no_secret_on_a_command_line_and_a_stranger_host_is_ref
     with Hosts(tmp_path / "hosts", ["hvdsafea", "hvdsafeb"]) as hosts:
         launcher = ("--hostfile", str(hosts.hostfile(2)), "-p", str(SSH_PORT), "-i",
                     str(hosts.key))  # fmt: skip
+        output = hosts.local / "out"
         job = LiveJob(
             [*horovodrun_command(4, launcher=launcher), "train", "--epochs", "40",
-             "--output", str(tmp_path / "out")],
+             "--output", str(output)],
             env={"CLOUD_TOKEN": token},
         )  # fmt: skip
         job.wait_for(r"Epoch 2:", 180)
-        ranks = rank_processes(tmp_path / "out")
-        keys = {_environ(p).get("HOROVOD_JOB_KEY") for p in ranks}
+        pids = rank_processes(output)
+        keys = {_environ(p).get("HOROVOD_JOB_KEY") for p in pids}
         leaks = [line for line in command_lines() if token in line or any(k in line for k in keys)]
         ports = [p for _, ip, p in sockets(tree(job.process.pid)) if ip == f"{SUBNET}.1"]
         stranger = subprocess.run(
@@ -356,7 +358,11 @@ def test_across_two_hosts_no_secret_on_a_command_line_and_a_stranger_host_is_ref
             capture_output=True, text=True, timeout=120, cwd=REPO,
         )  # fmt: skip
         assert job.finish(300) == 0, job.summary()
-    assert len(ranks) == 4 and len(keys) == 1 and None not in keys, keys
+        written = hosts.hosts[0].path(output)  # on rank 0's host
+        report = json.loads((written / "ranks.json").read_text())
+    assert_ranks_numbered_by_host(report, ["hvdsafea", "hvdsafeb"], 2)
+    assert {r["transport"] for r in report} == {"shared memory"}
+    assert len(pids) == 4 and len(keys) == 1 and None not in keys, keys
     assert leaks == []
     assert ports, "the launcher listened on no address of the hosts' network"
     said = stranger.stdout.split()
