@@ -356,6 +356,8 @@ def main() -> None:
     except Exception as exc:
         from hvd_cpu.runtime import failure, horovod
 
+        if ending():  # another thread is ending the process: its line is out, its code chosen
+            exit_now(1)
         if not isinstance(exc, horovod.PeerLost):
             if not launch_rank_known():
                 raise
@@ -367,8 +369,6 @@ def main() -> None:
         reason = " ".join(str(exc).split())
         if reason.startswith("Horovod has been shut down"):  # generic: says only "see above"
             reason = "killed, crashed, or its host went away"
-        if ending():  # stopped by a signal meanwhile: that line is out, its code chosen
-            exit_now(1)
         click.echo(
             f"hvd-cpu: rank {launch_rank()}: lost another rank of the job ({reason}); run the "
             "same command with --resume to go on from the last checkpoint, or train with "

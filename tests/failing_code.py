@@ -1,6 +1,8 @@
 """Text of a user's model file whose code fails on one rank at one training step, in the way
 a test asks (tests/test_rank_failures.py): `write(folder, where, rank, step)`. The failing
-rank notes the time it fails in FOLDER/failed_at (the first time), for the test's bound."""
+rank notes the time it fails in FOLDER/failed_at (the first time), for the test's bound.
+While FOLDER/held_back exists it fails nowhere: a model trained with the file can then fail
+in predict with the file unchanged (predict refuses a model file changed since training)."""
 
 from __future__ import annotations
 
@@ -24,13 +26,13 @@ import torch
 
 from hvd_cpu.runtime.lifecycle import launch_rank
 
-WHERE, RANK, STEP, PACE, MARK = {where!r}, {rank}, {step}, {pace}, {mark!r}
+WHERE, RANK, STEP, PACE, MARK, HELD = {where!r}, {rank}, {step}, {pace}, {mark!r}, {held!r}
 steps = 0
 
 
 def trouble(where):
     """Fail here, if this is the chosen place, rank and step."""
-    if where != WHERE or launch_rank() != RANK or steps < STEP:
+    if where != WHERE or launch_rank() != RANK or steps < STEP or os.path.exists(HELD):
         return
     if not os.path.exists(MARK):
         with open(MARK, "w") as note:
@@ -85,6 +87,7 @@ def loss(output, target):
 '''
 
 
+HELD_BACK = "held_back"
 # A step that never comes: the same file, disarmed (for --resume).
 NEVER = 10**9
 
@@ -95,6 +98,6 @@ def write(folder: Path, where: str, rank: int, step: int, pace: float = 0.0) -> 
     written again with step NEVER, the same options train without failing."""
     assert where in KINDS, where
     path = folder / f"fails_{where}_on_{rank}.py"
-    mark = str(folder / "failed_at")
-    path.write_text(CODE.format(where=where, rank=rank, step=step, pace=pace, mark=mark))
+    mark, held = str(folder / "failed_at"), str(folder / HELD_BACK)
+    path.write_text(CODE.format(where=where, rank=rank, step=step, pace=pace, mark=mark, held=held))
     return ("--model", f"{path}:Model", "--loss", f"{path}:loss")

@@ -9,9 +9,10 @@ Every rank draws the same sequence from SEED: which collective (the direct allre
 average; Horovod's own allreduce, sum, min or max; its broadcast and allgather), its size
 (0, 1, around the 4096-byte and 1 MB chunk edges, several MB), its dtype, and who sleeps how
 long. Prints "looping RANK" once it has joined, "stress ok RANK CALLS" at the end, or, when
-a peer is lost (the test kills one), "lost RANK UNIX_TIME" the moment this rank learnt it,
-and exits 3. It ignores SIGTERM: the launcher sends it to every rank the moment one dies,
-and each must learn the loss itself.
+a peer is lost (the test kills one), "lost RANK LEARNT ENTERED": the Unix times when this
+rank learnt it and when it entered the collective that failed; and exits 3. It ignores
+SIGTERM: the launcher sends it to every rank the moment one dies, and each must learn the
+loss itself.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import horovod.torch as hvd
 import torch
@@ -57,6 +60,18 @@ def rank_order(size: int, call: int, count: int, dtype: torch.dtype, op: str) ->
     return total.to(dtype)
 
 
+T = TypeVar("T")
+# When this rank last entered a collective: a rank busy with its own work (the references
+# below take a while at 1.5 M elements) can only learn of a lost peer once it waits for it.
+entered = 0.0
+
+
+def waiting(collective: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    global entered
+    entered = time.time()
+    return collective(*args, **kwargs)
+
+
 def one_call(rank: int, size: int, call: int, draw: random.Random) -> None:
     kind = draw.choice(["direct", "direct", "average", "horovod", "broadcast", "allgather"])
     count = draw.choice(COUNTS)
@@ -66,8 +81,8 @@ def one_call(rank: int, size: int, call: int, draw: random.Random) -> None:
             time.sleep(seconds)
     if kind in ("direct", "average"):
         dtype = draw.choice(DIRECT_DTYPES if kind == "direct" else DIRECT_DTYPES[:3])
-        got = hvd.direct_allreduce_(inputs(rank, call, count, dtype),
-                                    op=hvd.Sum if kind == "direct" else hvd.Average)  # fmt: skip
+        got = waiting(hvd.direct_allreduce_, inputs(rank, call, count, dtype),
+                      op=hvd.Sum if kind == "direct" else hvd.Average)  # fmt: skip
         want = rank_order(size, call, count, dtype, "sum")
         if kind == "average":
             want = (want.to(torch.float64) / size).to(dtype)
@@ -77,14 +92,16 @@ def one_call(rank: int, size: int, call: int, draw: random.Random) -> None:
         dtype, op = draw.choice(HOROVOD_DTYPES), draw.choice(["sum", "min", "max"])
         count = max(count, 1)
         hvd_op = {"sum": hvd.Sum, "min": hvd.Min, "max": hvd.Max}[op]
-        got = hvd.allreduce(inputs(rank, call, count, dtype), op=hvd_op, name=f"c{call}")
+        got = waiting(hvd.allreduce, inputs(rank, call, count, dtype), op=hvd_op, name=f"c{call}")
         want = rank_order(size, call, count, dtype, op)
     elif kind == "broadcast":
         root = draw.randrange(size)
-        got = hvd.broadcast(inputs(rank, call, count, torch.float32), root, name=f"c{call}")
+        mine = inputs(rank, call, count, torch.float32)
+        got = waiting(hvd.broadcast, mine, root, name=f"c{call}")
         want = inputs(root, call, count, torch.float32)
     else:
-        got = hvd.allgather(inputs(rank, call, count, torch.int32).view(-1, 1), name=f"c{call}")
+        mine = inputs(rank, call, count, torch.int32).view(-1, 1)
+        got = waiting(hvd.allgather, mine, name=f"c{call}")
         want = torch.cat([inputs(r, call, count, torch.int32).view(-1, 1) for r in range(size)])
     assert torch.equal(got, want), (call, kind, count, got.dtype)
 
@@ -101,13 +118,14 @@ def main() -> None:
     try:
         while True:
             # Every rank goes on or stops together: rank 0's clock decides.
-            go = hvd.direct_allreduce_(torch.tensor([time.monotonic() < until and rank == 0]))
+            going = torch.tensor([time.monotonic() < until and rank == 0])
+            go = waiting(hvd.direct_allreduce_, going)
             if not go.item():
                 break
             one_call(rank, size, calls, draw)
             calls += 1
     except hvd.HorovodInternalError:
-        print(f"lost {rank} {time.time():.6f}", flush=True)
+        print(f"lost {rank} {time.time():.6f} {entered:.6f}", flush=True)
         sys.exit(3)
     print(f"stress ok {rank} {calls}", flush=True)
     hvd.shutdown()

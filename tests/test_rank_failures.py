@@ -350,11 +350,13 @@ def test_a_rank_that_fails_in_predict_ends_the_job(frame: Path, tmp_path: Path) 
     """`hvd-cpu predict` under MPI, the model raising on rank 1 only: rank 1's traceback and
     line, exit 1, no hang (Python's teardown would wait in MPI's finalize)."""
     output = tmp_path / "out"
-    code = failing_code.write(tmp_path, "validation", 1, failing_code.NEVER)
+    code = failing_code.write(tmp_path, "validation", 1, 0)
+    held_back = tmp_path / failing_code.HELD_BACK
+    held_back.touch()
     trained = run([*horovodrun_command(2, "mpi"), "train", "--data", str(frame), "--epochs", "1",
                    "--output", str(output), *code])  # fmt: skip
     assert trained.returncode == 0, trained.stdout + trained.stderr
-    failing_code.write(tmp_path, "validation", 1, 0)  # the model's file, failing from now on
+    held_back.unlink()  # the model's file, unchanged, fails from now on
     predict = ["predict", "--model", str(output), "--data", str(frame),
                "--output", str(tmp_path / "p.csv")]  # fmt: skip
     predicted = run([*horovodrun_command(2, "mpi"), *predict], timeout=60)

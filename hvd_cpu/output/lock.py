@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -29,20 +30,23 @@ class HeldFolder:
 
     def __init__(self, output: Path, descriptor: int, made: list[Path]) -> None:
         self.output, self.descriptor, self.made = output, descriptor, made
+        self.releasing = threading.Lock()
 
     def release(self) -> None:
         """The job is over (or ending): its name goes, then folders made only for it that
-        stayed empty, then the lock. Once only."""
-        if self.descriptor < 0:
-            return
-        off_exit(self.release)
-        with contextlib.suppress(OSError):
-            (self.output / HOLDER).unlink()
-        for folder in self.made:  # the deepest first
+        stayed empty, then the lock. Once only, whichever thread comes first: the main
+        thread's run ends while a thread that ends the process (the watchdog) lets go too."""
+        with self.releasing:
+            if self.descriptor < 0:
+                return
+            off_exit(self.release)
             with contextlib.suppress(OSError):
-                folder.rmdir()
-        os.close(self.descriptor)
-        self.descriptor = -1
+                (self.output / HOLDER).unlink()
+            for folder in self.made:  # the deepest first
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            os.close(self.descriptor)
+            self.descriptor = -1
 
 
 def hold(output: Path) -> HeldFolder:

@@ -25,7 +25,7 @@ import cloudpickle
 from hvd_cpu.atomic import atomic_write
 from hvd_cpu.errors import RunFailed
 from hvd_cpu.lines import say
-from hvd_cpu.runtime.lifecycle import exit_now
+from hvd_cpu.runtime.lifecycle import ending, exit_now
 
 # Set by fit()'s driver for its ranks: the folder where a failing rank leaves its exception.
 FAILURES = "HVD_CPU_FAILURES"
@@ -46,7 +46,10 @@ def fail(
 ) -> None:
     """Say how this rank failed and what `then` happens, tell the peers, and end the process
     with 1; a process that goes on after the run (a user's MPI program) gets it raised
-    instead, so it shows the traceback itself."""
+    instead, so it shows the traceback itself. Nothing when another thread is ending the
+    process already (the watchdog naming a stall): this failure is its consequence."""
+    if ending():
+        exit_now(1)  # waits for that thread's end, its line and code
     shown = "".join(traceback.format_exception(exc))
     line = f"hvd-cpu: rank {rank} on {socket.gethostname()} failed: {described(exc)}; {then}"
     if not process_goes_on:

@@ -52,9 +52,9 @@ class RunScope:
 
     def stop_watching(self) -> None:
         """The ranks are about to change (--elastic), or this rank is done: it is not stalled."""
-        if self.watchdog is not None:
-            self.watchdog.stop()
-            self.watchdog = None
+        watchdog, self.watchdog = self.watchdog, None
+        if watchdog is not None:
+            watchdog.stop()
 
     @contextmanager
     def failures_end_the_job(
@@ -70,15 +70,16 @@ class RunScope:
         try:
             yield
         except horovod.PeerLost:
-            if self.watchdog is not None:  # peers silent first: end as the stall, named once
-                self.watchdog.end_as_stall()
+            watchdog = self.watchdog
+            if watchdog is not None:  # peers silent first: end as the stall, named once
+                watchdog.end_as_stall()
             raise
         except (InputError, RunFailed):
             raise  # met by every rank together (collectives.agree_on_error), said by rank 0
         except BaseException as exc:
-            world = world_now()
+            world, watchdog = world_now(), self.watchdog
             if world.size > 1:
-                tell = self.watchdog.tell_failed if self.watchdog else lambda: None
+                tell = watchdog.tell_failed if watchdog else lambda: None
                 failure.fail(exc, world.rank, then(), tell, self.process_goes_on)
             raise
 
@@ -88,16 +89,18 @@ class RunScope:
             self.folder = lock.hold(output)
 
     def close(self) -> None:
+        """Let go of all that the run holds. Safe from two threads at once: the run's own end, and
+        a thread that ends the process meanwhile (the watchdog naming a stall)."""
         self.stop_watching()
-        if self.folder is not None:
-            self.folder.release()
-            self.folder = None
-        if self.environ is not None:
+        folder, self.folder = self.folder, None
+        if folder is not None:
+            folder.release()
+        environ, self.environ = self.environ, None
+        if environ is not None:
             quiet_signals_off()
-            for name in set(os.environ) - set(self.environ):
+            for name in set(os.environ) - set(environ):
                 del os.environ[name]
-            os.environ.update(self.environ)
-            self.environ = None
+            os.environ.update(environ)
         off_exit(self.close)
 
     def _named_elsewhere(self) -> bool:
