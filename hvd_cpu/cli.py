@@ -19,7 +19,7 @@ from hvd_cpu.config.cli_options import train_options
 from hvd_cpu.config.files import config_option
 from hvd_cpu.config.options import SEED_MAX
 from hvd_cpu.config.values import NAMES, SIZES
-from hvd_cpu.errors import InputError, RunFailed
+from hvd_cpu.errors import InputError, Preempted, RunFailed
 from hvd_cpu.runtime.lifecycle import (
     ending,
     exit_now,
@@ -353,6 +353,9 @@ def main() -> None:
     except (InputError, RunFailed) as exc:
         message = f"hvd-cpu: error: {' '.join(str(exc).split())}"
         _fail(lambda: click.echo(message, err=True), exc.exit_code, together=True)
+    except Preempted as exc:  # not an error: the job goes on when run again
+        stopped = f"hvd-cpu: {exc}"
+        _fail(lambda: click.echo(stopped, err=True), exc.exit_code, together=True)
     except Exception as exc:
         from hvd_cpu.runtime import failure, horovod
 

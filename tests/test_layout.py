@@ -4,6 +4,7 @@ room and the rooms below it, so what comes next lands in its own room without a 
 from __future__ import annotations
 
 import ast
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,17 @@ def test_the_leaves_import_nothing_of_hvd_cpu() -> None:
     for leaf in LEAVES:
         path = REPO / (leaf.replace(".", "/") + ".py")
         assert not imported(ast.parse(path.read_text())), leaf
+
+
+def test_no_module_comes_back_to_itself_through_its_imports() -> None:
+    """No import circle between modules of one room either, type-only imports (under
+    TYPE_CHECKING) included: a circle is two modules that cannot be read one after the
+    other (prepare and membership were one: membership now implements prepare's Joining)."""
+    graph = {}
+    for path in MODULES:
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        graph[name] = imported(ast.parse(path.read_text())) - {name}
+    try:
+        tuple(TopologicalSorter(graph).static_order())
+    except CycleError as exc:
+        pytest.fail(f"an import circle: {' -> '.join(exc.args[1])}")

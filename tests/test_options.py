@@ -75,7 +75,9 @@ CONFIGS = (
         val_fraction=0.0,
         progress=True,
     ),
+    TrainConfig(auto_resume=True),  # a job's one command for its retries
 )
+IDS = ["most", "elastic", "retry"]
 
 
 def parsed(command: click.Command, *args: str) -> dict[str, Any]:
@@ -103,20 +105,21 @@ def test_train_takes_every_field_in_order_and_its_default() -> None:
     assert TrainConfig(**parsed(train)) == DEFAULTS
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["most", "elastic"])
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_each_option_spelled_back_parses_to_its_value(config: TrainConfig) -> None:
     words = [w for name, value in changed(config).items() for w in command_words(name, value)]
     assert TrainConfig(**parsed(train, *words)) == config
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["most", "elastic"])
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_a_recorded_config_file_reads_back_as_the_config(
     config: TrainConfig, tmp_path: Path
 ) -> None:
-    """--resume and --overwrite are left out of the record: a rerun starts afresh."""
+    """--resume, --overwrite and --auto-resume are left out of the record: a rerun starts
+    afresh."""
     record(config, tmp_path / "config.toml")
     read = TrainConfig(**parsed(train, "--config", str(tmp_path / "config.toml")))
-    assert read == replace(config, resume=False, overwrite=False)
+    assert read == replace(config, resume=False, overwrite=False, auto_resume=False)
 
 
 @pytest.mark.parametrize(

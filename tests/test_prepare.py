@@ -67,6 +67,26 @@ def test_an_earlier_checkpoint_is_neither_overwritten_nor_resumed_with_other_opt
     assert open_output(TrainConfig(output=tmp_path), replace(ONE, rank=1)) is None  # rank 0's
 
 
+def test_auto_resume_starts_an_empty_folder_continues_this_job_and_refuses_another_jobs(
+    tmp_path: Path,
+) -> None:
+    """The one command of a job, for its first run and its retries (docs/usage.md,
+    "Preemption and retries"): another job is other data, another seed or another model."""
+    from hvd_cpu.training.train import train
+
+    assert open_output(TrainConfig(output=tmp_path, auto_resume=True), ONE) is None
+    train(TrainConfig(output=tmp_path, epochs=1, quiet=True, seed=3))
+    resumed = open_output(TrainConfig(output=tmp_path, auto_resume=True, seed=3, epochs=5), ONE)
+    assert resumed is not None and resumed.loop["epoch"] == 1
+    for other in ({"seed": 4}, {"hidden": (16,)}, {"data": tmp_path / "other.csv"}):
+        config = TrainConfig(output=tmp_path, auto_resume=True, **{"seed": 3, **other})
+        with pytest.raises(InputError, match=r"holds the checkpoint of another job \(trained "):
+            open_output(config, ONE)
+    for both in ("resume", "overwrite"):
+        with pytest.raises(InputError, match=f"^--auto-resume continues .*: leave out --{both}$"):
+            TrainConfig(output=tmp_path, auto_resume=True, **{both: True})
+
+
 def test_an_output_that_cannot_be_made_leaves_no_folder_behind(tmp_path: Path) -> None:
     """Folders made only to try writing go again (a run stopped by bad input leaves none)."""
     (tmp_path / "a-file").write_text("not a folder")

@@ -245,6 +245,68 @@ def test_a_stopped_rank_ends_the_job_with_status_1_naming_it(
     assert_nothing_left(cluster, job, output)
 
 
+@pytest.fixture(scope="module")
+def long_frame(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Rows enough for an epoch of about a second here: a requeue lands inside one."""
+    path = tmp_path_factory.mktemp("long") / "frame.parquet"
+    make_demo_frame(rows=40_000, features=8).to_parquet(path)
+    return path
+
+
+def train_long(frame: Path, output: Path) -> tuple[str, ...]:
+    return ("--data", str(frame), "--epochs", "3", "--output", str(output))
+
+
+@pytest.fixture(scope="module")
+def never_stopped(
+    cluster: SlurmCluster, long_frame: Path, tmp_path_factory: pytest.TempPathFactory
+) -> list[str]:
+    """Each rank's parameter digest at the end of the same job, never stopped."""
+    folder = tmp_path_factory.mktemp("never-stopped")
+    job = sbatch(cluster, folder, *train_long(long_frame, folder / "out"))
+    assert job.returncode == 0, f"{job.output}\n{cluster.log()}"
+    return [r["param_sha256"] for r in json.loads((folder / "out" / "ranks.json").read_text())]
+
+
+@pytest.mark.parametrize("stop", ["scontrol requeue", "scancel --signal=TERM"])
+def test_a_job_slurm_stops_comes_back_by_itself_and_ends_as_if_never_stopped(
+    stop: str, cluster: SlurmCluster, long_frame: Path, never_stopped: list[str], tmp_path: Path
+) -> None:
+    """`scontrol requeue` (what preemption with PreemptMode=REQUEUE does): SLURM sends the
+    job SIGTERM and runs it again. `scancel --signal=TERM` (as `sbatch --signal=TERM@120`
+    before a time limit): only the ranks get it, and the script requeues the job itself.
+    Either way the ranks save the step they stopped at, and the job's next run goes on from
+    it (--auto-resume, which the script adds) to the parameters of a run never stopped."""
+    output = tmp_path / "out"
+    stopped: list[str] = []
+
+    def stop_after_epoch_1() -> None:
+        deadline = time.monotonic() + 120
+        while (
+            not (logs := list(tmp_path.glob("job-*.out"))) or "Epoch 1:" not in logs[0].read_text()
+        ):
+            assert time.monotonic() < deadline, "the job did not train"
+            time.sleep(0.1)
+        job_id = logs[0].name.removeprefix("job-").removesuffix(".out")
+        done = cluster.run(*stop.split(), job_id)
+        assert done.returncode == 0, done.stderr
+        stopped.append(job_id)
+
+    job = sbatch(cluster, tmp_path, *train_long(long_frame, output),
+                 options=("--open-mode=append",), during=stop_after_epoch_1)  # fmt: skip
+    assert stopped and job.returncode == 0, f"{job.output}\n{cluster.log()}"
+    assert "hvd-cpu: rank 0: stopped by SIGTERM after step " in job.output, job.output
+    if stop.startswith("scancel"):
+        assert "hvd-cpu: the job requeues itself to go on from its checkpoint" in job.output
+    shown = cluster.run("scontrol", "show", "job", stopped[0]).stdout
+    assert "Restarts=1" in shown, shown
+    assert "Traceback" not in job.output, job.output
+    assert [r["param_sha256"] for r in json.loads((output / "ranks.json").read_text())] == (
+        never_stopped
+    )
+    assert_nothing_left(cluster, job, output)
+
+
 def test_the_script_outside_slurm_says_how_to_submit() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     done = subprocess.run(

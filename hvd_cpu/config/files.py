@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
 RECORD = "config.toml"
 # Left out of the record: a rerun starts afresh, and into the same OUTPUT only when the
-# command line says --overwrite.
-NOT_RECORDED = ("resume", "overwrite")
+# command line says --overwrite (or goes on: --resume, --auto-resume).
+NOT_RECORDED = ("resume", "overwrite", "auto_resume")
 SUFFIXES = (".toml", ".yaml", ".yml")
 
 

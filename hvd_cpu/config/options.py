@@ -265,6 +265,11 @@ class TrainConfig:
     )
     resume: bool = option(False, help="Continue from OUTPUT/checkpoint.pt up to --epochs.")
     overwrite: bool = option(False, help="Start again even if OUTPUT holds a checkpoint.")
+    auto_resume: bool = option(
+        False,
+        help="Continue OUTPUT's checkpoint if it is this job's (same data, seed and model), "
+        "else start: one command for first runs and retries (Kubernetes, SLURM's requeue).",
+    )
     # Horovod's elastic mode: ranks may die or join, training goes on (launch/elastic.sh).
     elastic: bool = option(
         False,
@@ -329,6 +334,10 @@ class TrainConfig:
         "activation",
     )
 
+    # Options that make a checkpoint another job's for --auto-resume: the model, the rows it
+    # sees and the draws that order them.
+    JOB: ClassVar[tuple[str, ...]] = (*ARCHITECTURE, "data", "seed", "val_fraction", "shard_read")
+
     def __post_init__(self) -> None:
         # The bounds are the command line's (each field's click range): declared once.
         for item in fields(self):
@@ -358,6 +367,12 @@ class TrainConfig:
             raise InputError("--patience watches the validation loss: set --val-fraction above 0")
         if self.resume and self.overwrite:
             raise InputError("--resume continues the checkpoint, --overwrite discards it: pick one")
+        if self.auto_resume and (self.resume or self.overwrite):
+            other = "--resume" if self.resume else "--overwrite"
+            raise InputError(
+                f"--auto-resume continues a checkpoint of this job when there is one and "
+                f"starts otherwise: leave out {other}"
+            )
         for name in ("mlflow_experiment", "mlflow_run_name"):
             if getattr(self, name) is not None and not self.mlflow:
                 option = "--" + name.replace("_", "-")

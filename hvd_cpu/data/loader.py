@@ -53,11 +53,16 @@ class ShardSampler(DistributedSampler):
     def __init__(self, rows: int, rank: int, size: int, shuffle: bool, seed: int) -> None:
         super().__init__(range(rows), num_replicas=size, rank=rank, shuffle=shuffle, seed=seed)
         self.trained = 0
+        self.as_begun = True
 
-    def set_epoch(self, epoch: int, trained: int = 0) -> None:
-        """Epoch `epoch`'s order, of which the ranks have trained the first `trained` rows."""
+    def set_epoch(self, epoch: int, trained: int = 0, as_begun: bool = True) -> None:
+        """Epoch `epoch`'s order, of which the ranks have trained the first `trained` rows.
+        `as_begun`: as many ranks as now trained them, and the rest is padded as the epoch's
+        start padded it (an epoch resumed at a step trains the rows an uninterrupted one
+        does); otherwise (--elastic, other ranks now) from the rest's own rows, so that no row
+        of the epoch trains twice."""
         super().set_epoch(epoch)
-        self.trained = trained
+        self.trained, self.as_begun = trained, as_begun
 
     def reshard(self, rank: int, size: int) -> None:
         """Go on as `rank` of `size` (--elastic)."""
@@ -67,8 +72,13 @@ class ShardSampler(DistributedSampler):
         return -(-max(len(self.dataset) - self.trained, 0) // self.num_replicas)
 
     def order(self) -> torch.Tensor:
-        rest = permutation(len(self.dataset), self.shuffle, self.seed + self.epoch)[self.trained :]
-        return padded(rest, len(self) * self.num_replicas)[self.rank :: self.num_replicas]
+        whole = permutation(len(self.dataset), self.shuffle, self.seed + self.epoch)
+        places = len(self) * self.num_replicas
+        if self.as_begun:
+            rest = padded(whole, self.trained + places)[self.trained :]
+        else:
+            rest = padded(whole[self.trained :], places)
+        return rest[self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.order().tolist())
@@ -77,7 +87,8 @@ class ShardSampler(DistributedSampler):
 class OwnRowsSampler(ShardSampler):
     """--shard-read: the rows are this rank's own. It shuffles within them (seed + 1_000_003 x
     epoch + rank) and repeats some to reach `length`, the longest rank's, so that every rank
-    takes the same number of steps."""
+    takes the same number of steps. An epoch resumed at a step (`set_epoch`'s `trained`, the
+    same on every rank) goes on from this rank's share of them."""
 
     def __init__(
         self, rows: int, rank: int, size: int, shuffle: bool, seed: int, length: int
@@ -86,11 +97,12 @@ class OwnRowsSampler(ShardSampler):
         self.length = length
 
     def __len__(self) -> int:
-        return self.length
+        return max(self.length - self.trained // self.num_replicas, 0)
 
     def order(self) -> torch.Tensor:
         seed = self.seed + 1_000_003 * self.epoch + self.rank
-        return padded(permutation(len(self.dataset), self.shuffle, seed), self.length)
+        whole = padded(permutation(len(self.dataset), self.shuffle, seed), self.length)
+        return whole[self.trained // self.num_replicas :]
 
 
 def permutation(rows: int, shuffle: bool, seed: int) -> torch.Tensor:
@@ -117,10 +129,11 @@ class ShardedBatches:
         self.batch_size = batch_size
         self.sampler = sampler
 
-    def set_epoch(self, epoch: int, trained: int = 0) -> None:
+    def set_epoch(self, epoch: int, trained: int = 0, as_begun: bool = True) -> None:
         """Reshuffle: every rank passes the same epoch, so global shards stay disjoint; of it
-        the ranks have trained `trained` rows (an epoch going on with other ranks)."""
-        self.sampler.set_epoch(epoch, trained)
+        the ranks have trained `trained` rows (an epoch resumed, or going on with other ranks:
+        ShardSampler.set_epoch)."""
+        self.sampler.set_epoch(epoch, trained, as_begun)
 
     def indices(self) -> torch.Tensor:
         """The row numbers of this rank's shard for the current epoch, in batch order."""

@@ -12,7 +12,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 from hvd_cpu.lines import say
 
@@ -24,6 +25,14 @@ _quiet: Callable[[], None] | None = None
 _ending = False  # exit_now has begun: a signal from now on changes nothing
 _exit_lock = threading.Lock()
 _on_exit: list[Callable[[], None]] = []  # run however the process ends, but by SIGKILL
+# A training run arms this while its steps run (training/stopping.py): a SIGTERM then asks it
+# to stop at the next step all ranks agree on, with a checkpoint of that point (preemption:
+# Kubernetes, SLURM, a spot machine), instead of ending the process at once.
+_gentle_stop = False
+_stop_asked = threading.Event()
+# How long a stop asked for may take before the process ends without it (Kubernetes gives 30 s
+# by default between SIGTERM and SIGKILL).
+STOP_GRACE_SECONDS = 25.0
 # Whether this process's end is already explained by a live rank (runtime/watchdog.py: it stood
 # stopped and was named, or another rank named the stall): then a signal ends it without a
 # word, with code 1.
@@ -107,14 +116,22 @@ def exit_quietly_on_signals() -> None:
         waiting.join()
 
     def exit_on_signal() -> None:
-        while (signum := os.read(read_end, 1)[0]) not in (signal.SIGTERM, signal.SIGINT):
+        while True:
+            signum = os.read(read_end, 1)[0]
             if signum == 0:
                 os.close(read_end)
                 return
-        if _ending:
-            return  # the main thread is already ending the process, with its own line and code
-        if _named_elsewhere():
-            exit_now(1)
+            if signum not in (signal.SIGTERM, signal.SIGINT):
+                continue
+            if _ending:
+                return  # the main thread is already ending the process, with its line and code
+            if _named_elsewhere():
+                exit_now(1)
+            if signum != signal.SIGTERM or not _gentle_stop:
+                break
+            if not _stop_asked.is_set():  # later ones (the launcher's after the user's) wait
+                _stop_asked.set()
+                threading.Thread(target=_end_unless_stopped, daemon=True).start()
         if launch_rank() == 0:
             who = "rank 0: " if launch_rank_known() else ""
             say(f"hvd-cpu: {who}stopped by {signal.Signals(signum).name}", sys.stderr)
@@ -123,6 +140,38 @@ def exit_quietly_on_signals() -> None:
     waiting = threading.Thread(target=exit_on_signal, name="exit-on-signal", daemon=True)
     waiting.start()
     _quiet = put_back
+
+
+def _end_unless_stopped() -> None:
+    """A stop asked for that does not come within the grace (a rank stuck in its own code):
+    the process ends as a SIGTERM would have ended it."""
+    time.sleep(STOP_GRACE_SECONDS)
+    if _stop_asked.is_set() and not _ending:
+        if launch_rank() == 0:
+            say(
+                f"hvd-cpu: rank 0: stopped by SIGTERM; no step was agreed to stop at within "
+                f"{STOP_GRACE_SECONDS:g} s, so no checkpoint of this point was written",
+                sys.stderr,
+            )
+        exit_now(128 + signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stopping_gently() -> Iterator[None]:
+    """While a run's steps run: a SIGTERM asks it to stop (`stop_asked`) rather than ending
+    the process; a process without hvd-cpu's signal handling (a notebook's) is left alone."""
+    global _gentle_stop
+    _gentle_stop = _quiet is not None
+    try:
+        yield
+    finally:
+        _gentle_stop = False
+        _stop_asked.clear()  # stopped, or the run ended before a step was agreed to stop at
+
+
+def stop_asked() -> bool:
+    """Whether a SIGTERM asked this rank's run to stop at the next step the ranks agree on."""
+    return _stop_asked.is_set()
 
 
 def quiet_signals_off() -> None:

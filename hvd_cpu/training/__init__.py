@@ -10,5 +10,6 @@ by the run and let go when it ends.
 
 How the ranks stay in step is sync.py: one GradientSync subclass per strategy (a new strategy
 is one new subclass there, chosen in sync.choose). state.py holds the loop's state and epoch
-metrics (a leaf, read by the output room), schedule.py the lr, validation.py the held-out rows.
+metrics (a leaf, read by the output room), schedule.py the lr, validation.py the held-out rows,
+stopping.py when the ranks stop together after a SIGTERM (preemption).
 """

@@ -19,8 +19,8 @@ from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
 from hvd_cpu.runtime import elastic_loop, horovod, join
 from hvd_cpu.runtime.world import World
 from hvd_cpu.training.job import Job, checkpoint_kept
-from hvd_cpu.training.membership import Membership, Start
-from hvd_cpu.training.prepare import open_output_together
+from hvd_cpu.training.membership import Membership
+from hvd_cpu.training.prepare import Start, open_output_together
 from hvd_cpu.training.scope import RunScope
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.data.features import FeatureTransform
-from hvd_cpu.errors import InputError, RunFailed
+from hvd_cpu.errors import InputError, Preempted, RunFailed
 from hvd_cpu.output.model_files import CHECKPOINT, MODEL, Checkpoint, ModelFile
 from hvd_cpu.output.records import Records
 from hvd_cpu.output.summary import Shape
@@ -89,6 +89,24 @@ class Job:
             if after_epoch:
                 after_epoch()
         self._finish(world)
+
+    def stopped_here(self, world: World) -> Preempted:
+        """Every rank, after the step the ranks agreed to stop at (training/stopping.py):
+        rank 0 saves this exact point (the position in the epoch included); what the job
+        ends with."""
+        trainer, output = self.trainer, self.config.output
+
+        def save() -> None:
+            trainer.checkpoint(self.prepared.transform).save(output / CHECKPOINT)
+
+        self.write_root(world, save)
+        self.saved_epoch = trainer.state.epoch
+        state = trainer.state
+        return Preempted(
+            f"rank 0: stopped by SIGTERM after step {state.step} ({state.epoch_rows} rows into "
+            f"epoch {state.epoch + 1}); {output / CHECKPOINT} holds that point: run the same "
+            "command with --auto-resume (or --resume) to go on from it"
+        )
 
     def _finish(self, world: World) -> None:
         trainer, model, transform = self.trainer, self.trainer.model, self.prepared.transform

@@ -14,28 +14,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import torch
 
 from hvd_cpu.config.options import TrainConfig
 from hvd_cpu.output.model_files import Checkpoint
+from hvd_cpu.runtime.lifecycle import stopping_gently
 from hvd_cpu.runtime.world import World
 from hvd_cpu.training.job import Job, job_ends
-from hvd_cpu.training.prepare import open_output_together
+from hvd_cpu.training.prepare import Start, open_output_together
 from hvd_cpu.training.scope import RunScope
-
-
-class Start(NamedTuple):
-    """What a rank prepares from: the world it prepares on, rank 0's checkpoint to resume
-    (None elsewhere, or not yet), and the fitted features to reuse (--resume)."""
-
-    world: World
-    resumed: Checkpoint | None
-    fitted: dict[str, Any] | None
+from hvd_cpu.training.stopping import StopAgreed, StopCheck
 
 
 class Membership(ABC):
+    """A way the ranks come together; prepare() asks it what prepare.Joining says."""
+
     @abstractmethod
     def start(self, config: TrainConfig, world: World) -> Start:
         """Before preparing: check the output (or leave that for later) and say what to
@@ -71,7 +65,11 @@ class Fixed(Membership):
 
     def run(self, job: Job, world: World, resumed: Checkpoint | None) -> None:
         job.start(world, resumed)
-        job.run(world)
+        with stopping_gently():  # a SIGTERM stops the ranks at one step, saved (preemption)
+            try:
+                job.run(world, after_step=StopCheck(job.trainer))
+            except StopAgreed:
+                raise job.stopped_here(world) from None
 
     def after_failure(self, output: Path, job: Job | None) -> str:
         saved = job.saved_epoch if job else None

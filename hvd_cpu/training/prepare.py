@@ -9,7 +9,7 @@ rank 0 reports it once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import pandas as pd
@@ -35,10 +35,30 @@ from hvd_cpu.model.networks import build_model
 from hvd_cpu.output import seal, tracking
 from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
 from hvd_cpu.runtime.world import World
+from hvd_cpu.training.scope import RunScope
 
-if TYPE_CHECKING:  # a membership calls back into this module
-    from hvd_cpu.training.membership import Membership
-    from hvd_cpu.training.scope import RunScope
+
+class Start(NamedTuple):
+    """What a rank prepares from: the world it prepares on, rank 0's checkpoint to resume
+    (None elsewhere, or not yet), and the fitted features to reuse (--resume)."""
+
+    world: World
+    resumed: Checkpoint | None
+    fitted: dict[str, Any] | None
+
+
+class Joining(Protocol):
+    """What preparing asks of the way the ranks come together (training/membership.py's
+    classes, which call this module: the knowledge goes one way)."""
+
+    def start(self, config: TrainConfig, world: World) -> Start:
+        """Before preparing: check the output (or leave that for later) and say what to
+        prepare from."""
+        ...
+
+    def has_validation(self, held_out: int, world: World) -> bool:
+        """Whether the job has held-out rows, given this rank's `held_out`."""
+        ...
 
 
 @dataclass
@@ -79,24 +99,30 @@ def open_output(
     if scope:
         scope.hold(config.output)
     path = config.output / CHECKPOINT
-    if config.resume:
-        state = Checkpoint.load(path)
-        earlier = state.config
-        now = config.to_dict()
-        changed = [k for k in TrainConfig.ARCHITECTURE if earlier[k] != now[k]]
-        if changed:
-            was = ", ".join(f"{k}={earlier[k]!r}" for k in changed)
+    if not (config.resume or (config.auto_resume and path.exists())):
+        if path.exists() and not config.overwrite:
             raise InputError(
-                f"the checkpoint in {config.output} was trained with {was}; resume with the "
-                "same options, or start again with --overwrite"
+                f"{config.output} holds a checkpoint from an earlier run; pass --resume (or "
+                "--auto-resume) to continue it or --overwrite to start again, or choose another "
+                "--output"
             )
-        return state
-    if path.exists() and not config.overwrite:
+        return None
+    state = Checkpoint.load(path)
+    earlier, now = state.config, config.to_dict()
+    same = TrainConfig.JOB if config.auto_resume else TrainConfig.ARCHITECTURE
+    changed = [k for k in same if earlier.get(k) != now[k]]
+    if changed:
+        was = ", ".join(f"{k}={earlier.get(k)!r}" for k in changed)
+        if config.auto_resume:
+            raise InputError(
+                f"{config.output} holds the checkpoint of another job (trained with {was}); "
+                "choose another --output, or start again there with --overwrite"
+            )
         raise InputError(
-            f"{config.output} holds a checkpoint from an earlier run; pass --resume to continue "
-            "it or --overwrite to start again, or choose another --output"
+            f"the checkpoint in {config.output} was trained with {was}; resume with the "
+            "same options, or start again with --overwrite"
         )
-    return None
+    return state
 
 
 def open_output_together(
@@ -177,7 +203,7 @@ def split(rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Te
 
 
 def prepare(
-    config: TrainConfig, world: World, membership: Membership, own: pd.DataFrame | None = None
+    config: TrainConfig, world: World, membership: Joining, own: pd.DataFrame | None = None
 ) -> Prepared:
     """Check the output, read, fit, encode, split and build on every rank, agreeing on bad
     input after each step; what to prepare from, and on which ranks, is the membership's

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from hvd_cpu.errors import InputError, RunFailed
+from hvd_cpu.errors import InputError, Preempted, RunFailed
 from hvd_cpu.output import lock
 from hvd_cpu.output.lock import HeldFolder
 from hvd_cpu.runtime import failure, horovod
@@ -74,7 +74,7 @@ class RunScope:
             if watchdog is not None:  # peers silent first: end as the stall, named once
                 watchdog.end_as_stall()
             raise
-        except (InputError, RunFailed):
+        except (InputError, RunFailed, Preempted):
             raise  # met by every rank together (collectives.agree_on_error), said by rank 0
         except BaseException as exc:
             world, watchdog = world_now(), self.watchdog

@@ -21,7 +21,8 @@ class LoopState:
     best_epoch: int = 0
     since_best: int = 0  # epochs since the validation loss last improved
     since_lr_change: int = 0  # epochs without progress since the lr last changed
-    epoch_rows: int = 0  # rows of the current epoch trained by all ranks (--elastic resumes here)
+    epoch_rows: int = 0  # rows of the current epoch trained by all ranks (a resume goes on here)
+    epoch_ranks: int = 0  # how many ranks began the current epoch (its padding is theirs)
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def validated(self, val_loss: float, epoch: int, plateau_patience: int | None) -> None:

@@ -116,7 +116,9 @@ class Trainer:
         lr = self.lr()
         # Derived, not carried: a resumed run draws the same random numbers (dropout...).
         torch.manual_seed(self.config.seed * 1_000_003 + epoch)
-        self.batches.set_epoch(epoch, state.epoch_rows)
+        if not state.epoch_rows:
+            state.epoch_ranks = self.world.size
+        self.batches.set_epoch(epoch, state.epoch_rows, state.epoch_ranks == self.world.size)
         self.model.train()
         # Summed as tensors, float64 so long epochs stay exact: the loop waits on no .item()
         # (but for the progress bar's running loss, shown on a terminal only).
