@@ -91,7 +91,9 @@ def fit(
     process of `comm` calls fit and trains as one rank of it (np, hosts and controller unused).
     Raises InputError for bad input, with the same message the command line prints; the
     exception a rank's code raised when one fails (your model's, say), its cause that rank's
-    traceback; and KeyboardInterrupt when interrupted, once every rank has stopped.
+    traceback; Preempted when its ranks were stopped by SIGTERM at a step, saved
+    (auto_resume=True goes on from it); and KeyboardInterrupt when interrupted, once every rank
+    has stopped.
     """
     if not isinstance(data, (pd.DataFrame, str, Path)):
         raise InputError(

@@ -380,7 +380,9 @@ def test_a_lost_host_is_survived_and_taken_back_when_it_returns(
             os.kill(pid, signal.SIGKILL)
         went_on = job.wait_for(r"hvd-cpu: 4 -> 2 ranks; going on from the last commit", 150)
         unreached = hosts.ssh(lost, "true")
-        assert unreached.returncode == 255 and "timed out" in unreached.stderr, unreached
+        # (off the network: a timeout, or "No route to host" once its neighbour entry expires)
+        assert unreached.returncode == 255, unreached
+        assert "timed out" in unreached.stderr or "No route to host" in unreached.stderr
     except BaseException:
         for pid in hosts.processes(f"--output {output}"):  # the ranks left, their ssh clients
             with contextlib.suppress(ProcessLookupError):

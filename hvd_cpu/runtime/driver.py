@@ -31,7 +31,7 @@ from typing import Any
 import cloudpickle
 import psutil
 
-from hvd_cpu.errors import InputError, RunFailed
+from hvd_cpu.errors import RunFailed
 from hvd_cpu.runtime.failure import FAILURES, failure_left_in
 from hvd_cpu.runtime.lifecycle import end_with_parent
 
@@ -126,15 +126,15 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def main(job: str, outcome: str) -> None:
-    """The child: launch the job, write ("result", results), ("error", InputError) or
-    ("failed", what failed) to `outcome`."""
+    """The child: launch the job, write ("result", results), ("error", InputError or
+    Preempted) or ("failed", what failed) to `outcome`."""
     from hvd_cpu.runtime import launch
 
     end_with_parent()  # a kernel restarted or a script killed takes its job with it
     func, args, np, hosts, controller = cloudpickle.loads(Path(job).read_bytes())
     try:
         result: tuple[str, Any] = ("result", launch.launch(func, args, np, hosts, controller))
-    except InputError as exc:
+    except launch.SAID as exc:
         result = ("error", exc)
     except Exception as exc:  # Horovod's WorkerFailed, a launcher that could not start
         code = getattr(exc, "exit_code", None)

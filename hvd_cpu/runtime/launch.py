@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hvd_cpu.config.options import CONTROLLER_NAMES
-from hvd_cpu.errors import InputError
+from hvd_cpu.errors import InputError, Preempted
 from hvd_cpu.runtime import horovod
 from hvd_cpu.runtime.join import WITH_MPI
 
@@ -27,24 +27,29 @@ def launch(
     what horovodrun does for a command) and return every rank's result, in rank order.
 
     Bad input on the ranks raises the same InputError here, with the message the command
-    line would print.
+    line would print; a SIGTERM that stopped the ranks at a step, saved, raises Preempted.
     """
     if controller not in CONTROLLER_NAMES:
         raise InputError(f"unknown controller {controller!r}: choose gloo or mpi")
     if controller == "mpi":
         check_mpi_launcher()
-    results = horovod.run(_returning_input_errors, (func, *args), np, hosts, controller)
-    errors = [result for result in results if isinstance(result, InputError)]
+    results = horovod.run(_returning_said_errors, (func, *args), np, hosts, controller)
+    errors = [result for result in results if isinstance(result, SAID)]
     if errors:
         raise errors[0]
     return results
 
 
-def _returning_input_errors(func: Callable[..., Any], *args: Any) -> Any:
-    """Run on a launched rank: bad input comes back as a value, not as a worker failure."""
+# What every rank of a job meets together and says in one line: no worker failure.
+SAID = (InputError, Preempted)
+
+
+def _returning_said_errors(func: Callable[..., Any], *args: Any) -> Any:
+    """Run on a launched rank: bad input, or a stop at a saved step, comes back as a value,
+    not as a worker failure with its traceback."""
     try:
         return func(*args)
-    except InputError as exc:
+    except SAID as exc:
         return exc
 
 
