@@ -154,12 +154,14 @@ print("sum", total.tolist(), flush=True)
 
 @pytest.mark.slow
 def test_a_live_rank_is_waited_for_however_long_it_takes(tmp_path: Path) -> None:
-    """A user's own script (no hvd-cpu watchdog) whose rank 1 spends 40 s between two
-    allreduces: the engine failed it after Gloo's 30 s timeout ("rank 1 of this host did not
-    answer for 30 s"); a rank that is alive is now waited for."""
+    """A user's own script (no hvd-cpu watchdog) whose rank 1 spends twice Gloo's timeout
+    between two allreduces: the engine failed it at the timeout ("rank 1 of this host did not
+    answer for 30 s", past the default 30 s; the timeout is 5 s here, to be quick); a rank
+    that is alive is now waited for."""
     script = tmp_path / "slow.py"
     script.write_text(SLOW_PEER)
-    job = gloo(2, str(script), "40", timeout=180)
+    job = gloo(2, str(script), "10", timeout=120,
+               env={**os.environ, "HOROVOD_GLOO_TIMEOUT_SECONDS": "5"})  # fmt: skip
     assert job.returncode == 0, job.stdout + job.stderr
     assert job.stdout.count("sum [2.0, 2.0, 2.0]") == 2, job.stdout
 
@@ -307,13 +309,13 @@ def test_across_two_hosts_a_rank_late_by_35_s_is_waited_for(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_with_a_stall_bound_of_20_s_the_late_rank_ends_the_job_named(tmp_path: Path) -> None:
+def test_with_a_stall_bound_of_4_s_the_late_rank_ends_the_job_named(tmp_path: Path) -> None:
     job = horovodrun(2, "train", "--epochs", "1", "--model", late_model(tmp_path, 35),
-                     "--stall-seconds", "20", "--output", str(tmp_path / "out"),
+                     "--stall-seconds", "4", "--output", str(tmp_path / "out"),
                      timeout=240)  # fmt: skip
     assert job.returncode == 1, job.stdout + job.stderr
     named = [
-        line for line in (job.stdout + job.stderr).splitlines() if "--stall-seconds 20" in line
+        line for line in (job.stdout + job.stderr).splitlines() if "--stall-seconds 4)" in line
     ]
     assert len(named) == 1 and "rank 1 on" in named[0], job.stdout + job.stderr
 
