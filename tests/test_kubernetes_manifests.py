@@ -28,7 +28,8 @@ import jsonschema
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+from .jobs import REPO
+
 KUBE = REPO / "deploy" / "kubernetes"
 CRD = KUBE / "crd" / "kubeflow.org_mpijobs-v0.8.2.yaml"
 OVERLAYS = ("gloo", "mpi", "nonroot", "elastic")

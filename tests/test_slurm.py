@@ -313,7 +313,7 @@ def test_a_job_slurm_stops_comes_back_by_itself_and_ends_as_if_never_stopped(
     ):
         assert time.monotonic() < deadline, "the requeued job did not end"
         time.sleep(0.2)
-    printed = Path(tmp_path / f"job-{stopped[0]}.out").read_text()
+    printed = (tmp_path / f"job-{stopped[0]}.out").read_text()
     first, _, second = printed.partition("hvd-cpu: rank 0: stopped by SIGTERM after step ")
     assert "Epoch 1:" in first and "Epoch 4:" in second, printed
     if stop.startswith("scancel"):
