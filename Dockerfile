@@ -2,14 +2,15 @@
 # + CPU-only torch + hvd-cpu.
 #
 #   docker build -t hvd-cpu .
-#   docker run --rm hvd-cpu              # the demo: horovodrun --gloo -np 4 hvd-cpu train
+#   docker run --rm hvd-cpu              # the demo: horovodrun --gloo -np 4 hvd-cpu train --auto-resume
 #   docker run --rm -v "$PWD/data:/data" hvd-cpu horovodrun --gloo -np 4 hvd-cpu train --data /data/frame.parquet
 #   docker run --rm hvd-cpu horovodrun --mpi -np 2 hvd-cpu train                     # MPI
 #   docker run --rm hvd-cpu mpirun -np 2 hvd-cpu train                               # MPI
 #
 # Name the controller: plain `horovodrun` picks MPI when it is built in, as here, and MPI pays
 # only with at most one rank per core (docs/usage.md#controllers-gloo-or-mpi). Several
-# containers make one job in multi-host mode (HVD_CPU_SSHD=1, see launch/container-entrypoint.sh).
+# containers make one job in multi-host mode (HVD_CPU_SSHD=1), and on Kubernetes the pods start
+# the entrypoint's `worker` and `launcher` modes (launch/container-entrypoint.sh).
 #
 # Build arguments: BASE_IMAGE (Debian 13 trixie, Python 3.13; docker.io/library/debian:bookworm-slim
 # gives Debian 12 with Python 3.11), TORCH_SPEC, TORCH_INDEX_URL (where CPU-only torch wheels
@@ -69,4 +70,6 @@ COPY launch/container-entrypoint.sh /usr/local/bin/hvd-cpu-entrypoint
 ENV PATH=/opt/venv/bin:$PATH OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 WORKDIR /work
 ENTRYPOINT ["hvd-cpu-entrypoint"]
-CMD ["horovodrun", "--gloo", "-np", "4", "hvd-cpu", "train"]
+# --auto-resume: the same command run again (a restarted container with its output folder
+# mounted) goes on from the checkpoint of this job instead of refusing the folder.
+CMD ["horovodrun", "--gloo", "-np", "4", "hvd-cpu", "train", "--auto-resume"]

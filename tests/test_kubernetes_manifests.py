@@ -81,23 +81,11 @@ def container(job: dict, role: str) -> dict:
     return pod_spec(job, role)["containers"][0]
 
 
-def script(c: dict) -> str:
-    """The shell script a container runs: its args are `bash -c SCRIPT`."""
-    assert c["args"][:2] == ["bash", "-c"] and len(c["args"]) == 3, c["args"]
-    return c["args"][2]
-
-
-def command_lines(text: str) -> list[str]:
-    """A script's lines, each continued line (ending in a backslash) joined to the next."""
-    return [line.strip() for line in text.replace("\\\n", " ").splitlines()]
-
-
 def horovodrun(job: dict) -> tuple[list[str], list[str]]:
-    """The launcher's horovodrun options and `hvd-cpu train` options, as the shell splits them."""
-    text = script(container(job, "Launcher"))
-    lines = [line for line in command_lines(text) if line.startswith("exec horovodrun ")]
-    assert len(lines) == 1, text
-    words = shlex.split(lines[0])[2:]
+    """The launcher's horovodrun options and `hvd-cpu train` options: its args are the image
+    entrypoint's `launcher` mode, then horovodrun's command line."""
+    mode, program, *words = container(job, "Launcher")["args"]
+    assert (mode, program) == ("launcher", "horovodrun"), container(job, "Launcher")["args"]
     at = words.index("hvd-cpu")
     assert words[at + 1] == "train", words
     return words[:at], words[at + 2 :]
@@ -436,7 +424,7 @@ def test_a_duplicate_env_variable_is_refused(renders):
     env.append(dict(env[0]))
     assert strict_errors(job) == [
         "$.spec.mpiReplicaSpecs.Worker.template.spec.containers[0].env: ['name'] "
-        "('HVD_CPU_SSHD',) twice"
+        "('HVD_CPU_SSH_PORT',) twice"
     ]
 
 
@@ -527,7 +515,8 @@ def test_the_launcher_trains_with_auto_resume_on_the_shared_volume(renders, over
         m["mountPath"] for m in container(job, "Worker")["volumeMounts"] if m["name"] == "shared"
     ]
     assert value_of(train, "--data").startswith(f"{mount}/")
-    assert value_of(train, "--output") == f"{mount}/runs/$HVD_CPU_JOB"
+    # $(NAME) in args: Kubernetes puts in the container's variable NAME.
+    assert value_of(train, "--output") == f"{mount}/runs/$(HVD_CPU_JOB)"
     (job_env,) = [e for e in container(job, "Launcher")["env"] if e["name"] == "HVD_CPU_JOB"]
     field = job_env["valueFrom"]["fieldRef"]["fieldPath"]
     assert field == f"metadata.labels['{JOB_NAME_LABEL}']"
@@ -558,14 +547,12 @@ def test_the_launch_parses_with_horovodrun_and_hvd_cpu(renders, overlay):
 
 
 def sshd_port(job: dict) -> int:
-    """The port the worker's sshd listens on: hvd-cpu-entrypoint's (HVD_CPU_SSHD=1 and
-    HVD_CPU_SSH_PORT), or the one the worker's own script starts sshd with."""
+    """The port the worker's sshd listens on: hvd-cpu-entrypoint's `worker` mode reads it from
+    HVD_CPU_SSH_PORT (default 2222)."""
     worker = container(job, "Worker")
+    assert worker["args"] == ["worker"]
     env = {e["name"]: e.get("value") for e in worker.get("env", [])}
-    if env.get("HVD_CPU_SSHD") == "1":
-        return int(env.get("HVD_CPU_SSH_PORT", 2222))
-    (line,) = [w for w in command_lines(script(worker)) if w.startswith("/usr/sbin/sshd ")]
-    return int(value_of(shlex.split(line), "-p"))
+    return int(env.get("HVD_CPU_SSH_PORT", 2222))
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -590,14 +577,13 @@ def test_one_ssh_port_everywhere(renders, overlay):
         assert re.search(r"^\s*UserKnownHostsFile\s+/dev/null\s*$", text, re.M)
 
 
-def test_the_image_starts_sshd_as_the_manifests_expect():
-    """The root variants rely on hvd-cpu-entrypoint: the image's ENTRYPOINT, started with
-    HVD_CPU_SSHD=1, sshd on HVD_CPU_SSH_PORT, keys from the operator's /root/.ssh."""
-    assert 'ENTRYPOINT ["hvd-cpu-entrypoint"]' in (REPO / "Dockerfile").read_text()
-    entrypoint = (REPO / "launch" / "container-entrypoint.sh").read_text()
-    assert "${HVD_CPU_SSHD:-0} == 1" in entrypoint
-    assert '-p "${HVD_CPU_SSH_PORT:-2222}"' in entrypoint
-    assert "/root/.ssh/authorized_keys" in entrypoint
+def test_the_image_runs_the_entrypoint_the_manifests_start():
+    """Every pod's args are a mode of hvd-cpu-entrypoint (launch/container-entrypoint.sh), the
+    image's ENTRYPOINT; what the modes do is proven by running them (below, and
+    tests/test_kubernetes_contract.py)."""
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["hvd-cpu-entrypoint"]' in dockerfile
+    assert "COPY launch/container-entrypoint.sh /usr/local/bin/hvd-cpu-entrypoint" in dockerfile
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -612,9 +598,10 @@ def test_the_pods_keep_the_images_entrypoint(renders, overlay):
 
 @pytest.mark.parametrize("overlay", ["gloo", "mpi", "elastic"])
 def test_root_variants_take_the_key_where_the_entrypoints_sshd_reads_it(renders, overlay):
+    """`worker` reads $HOME/.ssh/authorized_keys: root's home, which no variable moves."""
     job = only(renders[overlay], "MPIJob")
     assert job["spec"]["sshAuthMountPath"] == "/root/.ssh"
-    assert {"name": "HVD_CPU_SSHD", "value": "1"} in container(job, "Worker")["env"]
+    assert "HOME" not in {e["name"] for e in container(job, "Worker").get("env", [])}
 
 
 def test_the_nonroot_user_has_a_name_a_home_and_the_key_in_it(renders):
@@ -634,8 +621,6 @@ def test_the_nonroot_user_has_a_name_a_home_and_the_key_in_it(renders):
         (home_mount,) = [m for m in main["volumeMounts"] if m["mountPath"] == home]
         (volume,) = [v for v in spec["volumes"] if v["name"] == home_mount["name"]]
         assert "emptyDir" in volume
-    worker_env = {e["name"] for e in container(job, "Worker")["env"]}
-    assert "HVD_CPU_SSHD" not in worker_env  # the entrypoint's sshd needs root
 
 
 def test_the_nonroot_variant_meets_the_restricted_profile(renders):
@@ -744,7 +729,7 @@ def test_the_crd_is_the_one_its_readme_names():
 
 # --- the worker's PID 1 and SIGTERM -------------------------------------------------------
 # Kubernetes sends SIGTERM to a container's PID 1 only, and PID 1 ignores every signal it has
-# no handler for. Each worker script runs here as PID 1 of a new PID namespace (as in a
+# no handler for. The entrypoint runs here as PID 1 of a new PID namespace (as in a
 # container: pgrep and pkill see that namespace's processes only), with a stand-in rank named
 # hvd-cpu that takes 0.5 s to stop (its checkpoint), and gets SIGTERM from outside.
 
@@ -756,9 +741,15 @@ wait
 """
 
 
-def as_pid1(worker_script: str, tmp_path: Path, settle: float) -> tuple[int | None, list[str]]:
-    """SIGTERM to PID 1 once the rank runs: PID 1's exit code (None: still running after
-    `settle` seconds, then SIGKILLed) and the rank's log."""
+ENTRYPOINT = REPO / "launch" / "container-entrypoint.sh"
+
+
+def as_pid1(
+    command: str, tmp_path: Path, settle: float, child: str | None = None
+) -> tuple[int | None, list[str]]:
+    """SIGTERM to PID 1 once the rank runs (and PID 1's `child` process, if named): PID 1's
+    exit code (None: still running after `settle` seconds, then SIGKILLed) and the rank's
+    log. A network namespace of its own too: a worker's sshd listens there only."""
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("a PID namespace needs root and unshare (util-linux)")
     rank = tmp_path / "hvd-cpu"
@@ -768,16 +759,15 @@ def as_pid1(worker_script: str, tmp_path: Path, settle: float) -> tuple[int | No
     # sure that this is a namespace of its own before any pkill runs.
     prelude = f'[ "$$" = 1 ] || exit 99; ( {shlex.quote(str(rank))} & )\n'
     shell = subprocess.Popen(
-        ["unshare", "--pid", "--fork", "--mount-proc", "bash", "-c", prelude + worker_script]
+        ["unshare", "--pid", "--net", "--fork", "--mount-proc", "bash", "-c", prelude + command]
     )
     try:
         log = tmp_path / "hvd-cpu.log"
         deadline = time.monotonic() + 10
-        while not (log.exists() and "started" in log.read_text()):
-            assert time.monotonic() < deadline and shell.poll() is None, "the rank did not start"
+        while not (log.exists() and "started" in log.read_text() and pid1_runs(shell, child)):
+            assert time.monotonic() < deadline and shell.poll() is None, "PID 1 did not start"
             time.sleep(0.05)
-        children = Path(f"/proc/{shell.pid}/task/{shell.pid}/children").read_text().split()
-        pid1 = int(children[0])
+        pid1 = children_of(shell.pid)[0]
         os.kill(pid1, signal.SIGTERM)
         try:
             code = shell.wait(timeout=settle)
@@ -792,32 +782,47 @@ def as_pid1(worker_script: str, tmp_path: Path, settle: float) -> tuple[int | No
             shell.wait(timeout=10)
 
 
-def test_a_root_workers_pid1_passes_sigterm_on_and_waits_for_the_ranks(renders, tmp_path):
-    code, log = as_pid1(script(container(only(renders["gloo"], "MPIJob"), "Worker")), tmp_path, 10)
+def children_of(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def pid1_runs(unshare: subprocess.Popen, child: str | None) -> bool:
+    """PID 1 is up, and so is its child named `child` (sshd: in the foreground, its own)."""
+    started = children_of(unshare.pid)
+    if not started or child is None:
+        return bool(started)
+    names = [Path(f"/proc/{c}/comm").read_text().strip() for c in children_of(started[0])]
+    return child in names
+
+
+def test_a_workers_pid1_runs_sshd_passes_sigterm_on_and_waits_for_the_ranks(renders, tmp_path):
+    """The pods' `worker`, run for real: the entrypoint as PID 1, sshd its child in the
+    foreground; SIGTERM reaches the rank, which PID 1 waits for, then it ends with 0."""
+    (worker,) = {tuple(container(only(renders[o], "MPIJob"), "Worker")["args"]) for o in OVERLAYS}
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5 x\n")
+    command = f"exec env HOME={home} {ENTRYPOINT} {shlex.join(worker)}"
+    code, log = as_pid1(command, tmp_path, 10, child="sshd")
     assert (code, log) == (0, ["started", "TERM", "stopped"])
 
 
-def test_the_nonroot_workers_pid1_does_the_same(renders):
-    """Its script also starts sshd; its SIGTERM line is the root variant's."""
-
-    def traps(overlay: str) -> list[str]:
-        lines = command_lines(script(container(only(renders[overlay], "MPIJob"), "Worker")))
-        return [line for line in lines if line.startswith("trap ")]
-
-    assert len(traps("gloo")) == 1
-    assert traps("nonroot") == traps("gloo")
-
-
-def test_an_elastic_workers_pid1_ends_at_once_and_its_ranks_with_it(renders, tmp_path):
-    """The others go on without them (Horovod's elastic mode) rather than all stopping."""
-    code, log = as_pid1(
-        script(container(only(renders["elastic"], "MPIJob"), "Worker")), tmp_path, 3
+def test_a_worker_without_the_operators_key_says_so(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    done = subprocess.run(
+        [str(ENTRYPOINT), "worker"], env={**os.environ, "HOME": str(home)},
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr == (
+        f"hvd-cpu: error: worker needs {home}/.ssh/authorized_keys; "
+        f"mount it (-v keys:{home}/.ssh:ro)\n"
     )
-    assert (code, log) == (0, ["started"])
 
 
 def test_sleep_as_pid1_would_ignore_sigterm(tmp_path):
-    """Why the workers' PID 1 is a shell with a trap: `sleep infinity` as PID 1 (the
-    entrypoint's exec) takes no notice, and the ranks are SIGKILLed at the grace's end."""
+    """Why the workers' PID 1 is the entrypoint with a trap: `sleep infinity` as PID 1 takes
+    no notice, and the ranks are SIGKILLed at the grace's end."""
     code, log = as_pid1("exec sleep infinity", tmp_path, 2)
     assert (code, log) == (None, ["started"])
