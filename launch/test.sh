@@ -10,9 +10,6 @@ export PATH=$venv/bin:$PATH
 cd "$repo"
 ruff check .
 ruff format --check .
-# Slow files whose tests may run two at a time: none measures seconds or shares a network.
-BESIDE_EACH_OTHER=(tests/test_bad_input.py tests/test_datasets.py tests/test_user_model.py
-  tests/test_messy.py tests/test_config_file.py tests/test_tracking.py)
 # pytest's "no tests collected" (exit 5) is a failure here, never a pass.
 tests() {
   local status=0
@@ -26,12 +23,13 @@ tests() {
 if (($#)); then
   tests -m "not container" "$@"
 else
-  # The main suite (under 5 minutes, two workers), then the slow one: minutes of real jobs.
-  # Its whole matrices of bad input, datasets, user models, config files and tracking run
-  # two at a time like the main suite; the rest (elastic, faults, namespace hosts, SLURM,
-  # speed) one at a time, as they share the namespace hosts' network and measure seconds.
-  # --durations: the slowest tests of each stage, where CI's time can be found.
-  tests -m "not slow and not container" -n 2 --durations=15
-  tests -m "slow and not container" -n 2 --durations=10 "${BESIDE_EACH_OTHER[@]}"
-  tests -m "slow and not container" --durations=25 "${BESIDE_EACH_OTHER[@]/#/--ignore=}"
+  # Two at a time (two workers): the main suite and the slow tests marked `beside` (the
+  # whole matrices of bad input, datasets, user models, config files and tracking, the
+  # benchmarks, Spark, preemption, most rank failures, some elastic jobs, the late ranks),
+  # which measure no seconds tightly. Each worker takes whole files (a file's tests one
+  # after another: they share its fixtures, a Spark cluster, an MLflow server). Then the
+  # rest of the slow ones (faults, namespace hosts, SLURM, speed) one at a time, as they
+  # share the namespace hosts' network or measure seconds. --durations: where CI's time goes.
+  tests -m "not container and (not slow or beside)" -n 2 --dist loadfile --durations=25
+  tests -m "slow and not beside and not container" --durations=25
 fi

@@ -28,6 +28,9 @@ from .jobs import (
     slow_except,
 )
 
+# Slow tests here may run beside another test (launch/test.sh's first stage, two workers).
+pytestmark = pytest.mark.beside
+
 
 def data(frame: pd.DataFrame, tmp: Path, name: str = "frame.pkl") -> list[str]:
     frame.to_pickle(tmp / name)

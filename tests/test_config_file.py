@@ -16,6 +16,9 @@ from hvd_cpu.cli import bench, train
 
 from .jobs import horovodrun, hvd_cpu, slow_except, weights
 
+# Slow tests here may run beside another test (launch/test.sh's first stage, two workers).
+pytestmark = pytest.mark.beside
+
 TOML = """
 epochs = 3
 batch_size = 32

@@ -30,6 +30,9 @@ from .jobs import (
     slow_except,
 )
 
+# Slow tests here may run beside another test (launch/test.sh's first stage, two workers).
+pytestmark = pytest.mark.beside
+
 
 def spark_folder(path: Path, frame: pd.DataFrame, files: int, row_group_size: int) -> Path:
     """`frame` in `files` part files, with Spark's _SUCCESS marker and hidden .crc checksums."""

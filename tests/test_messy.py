@@ -15,6 +15,9 @@ from hvd_cpu.data.features import FeatureTransform
 from .jobs import SLOW, horovodrun, hvd_cpu, metrics, weights
 from .messy import messy_frame
 
+# Slow tests here may run beside another test (launch/test.sh's first stage, two workers).
+pytestmark = pytest.mark.beside
+
 USER_MODEL = """
 import torch
 

@@ -25,6 +25,9 @@ from hvd_cpu.output import tracking
 from .jobs import BIN, SLOW, horovodrun, horovodrun_command, hvd_cpu, metrics, run
 from .slurm import free_port
 
+# Slow tests here may run beside another test (launch/test.sh's first stage, two workers).
+pytestmark = pytest.mark.beside
+
 SERVER_START_SECONDS = 240  # migrations and imports: tens of seconds on a busy 2-core machine
 PER_EPOCH = ("train_loss", "val_loss", "lr")  # logged exactly as metrics.jsonl has them
 

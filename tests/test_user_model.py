@@ -18,6 +18,9 @@ from hvd_cpu.tools.predict import load_model
 
 from .jobs import SLOW, horovodrun, hvd_cpu, metrics, weights
 
+# Slow tests here may run beside another test (launch/test.sh's first stage, two workers).
+pytestmark = pytest.mark.beside
+
 # The seed user's class, exactly as in their question (super(Network, self) included).
 SEED_NETWORK = """
 import torch
