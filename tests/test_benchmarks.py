@@ -11,7 +11,8 @@ import pytest
 
 from .jobs import REPO, mpirun_command, run
 
-pytestmark = pytest.mark.slow
+# Their numbers are not checked: they may run beside another test.
+pytestmark = [pytest.mark.slow, pytest.mark.beside]
 
 
 def test_benchmark_suite_runs_every_contender(tmp_path: Path) -> None:

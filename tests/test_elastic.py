@@ -116,6 +116,7 @@ def survived(job: LiveJob, output: Path, reference: list[dict], *, killed: float
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_without_failures_elastic_trains_exactly_like_a_plain_job(tmp_path: Path) -> None:
     plain = horovodrun(2, "train", "--epochs", "3", "--output", str(tmp_path / "plain"))
     assert plain.returncode == 0, plain.stdout + plain.stderr
@@ -179,6 +180,7 @@ def killed_beside_rank_0(job: LiveJob, output: Path) -> tuple[list[str], float]:
 
 
 @pytest.mark.slow
+@pytest.mark.beside  # the default --stall-seconds; the loss is Gloo's 15 s, allowed 30
 def test_more_lost_ranks_than_max_restarts_end_the_job_with_one_line(
     frame: Path, paced: tuple[str, str], tmp_path: Path
 ) -> None:
@@ -244,6 +246,7 @@ class DiesAtStep(torch.nn.Module):
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 @pytest.mark.parametrize("every", [10, 1000])
 def test_commit_every_sets_the_step_a_lost_rank_rolls_back_to(
     every: int, demo_parquet: Path, tmp_path: Path
@@ -323,9 +326,13 @@ def test_a_rank_gone_mid_request_leaves_no_traceback_on_the_launcher(server: str
         pytest.param(
             ["--shard-read", "--data", "x.parquet"],
             "--elastic shares the rows out again",
-            marks=SLOW,
+            marks=[SLOW, pytest.mark.beside],
         ),
-        pytest.param(["--sync-every", "4"], "--elastic averages gradients every step", marks=SLOW),
+        pytest.param(
+            ["--sync-every", "4"],
+            "--elastic averages gradients every step",
+            marks=[SLOW, pytest.mark.beside],
+        ),
     ],
 )
 def test_elastic_options_that_cannot_work_are_one_line(
@@ -345,6 +352,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
 
 
 @pytest.mark.slow
+@pytest.mark.beside  # the default --stall-seconds; the first stage's one namespace-host test
 @needs_namespaces
 def test_a_lost_host_is_survived_and_taken_back_when_it_returns(
     hosts: Hosts,

@@ -22,7 +22,9 @@ from hvd_cpu.output.model_files import CHECKPOINT, load
 
 from .jobs import LiveJob, demo_file, horovodrun_command, processes_naming, ranks, run
 
-pytestmark = pytest.mark.slow
+# Beside another test: the 30 s they allow a stop is Kubernetes' grace, far beyond the
+# second or two it takes.
+pytestmark = [pytest.mark.slow, pytest.mark.beside]
 
 EPOCHS = 4
 ROWS = 60_000  # some 0.7 s an epoch on 2 ranks here: a SIGTERM lands inside one

@@ -225,8 +225,14 @@ MAIN = {"mpi-forward-rank1-np2"}
 
 
 def marks(case: Case) -> list[pytest.MarkDecorator]:
+    """Beside another test, as the main suite's case runs (BOUND is several times what a job
+    takes to end), under horovodrun and mpirun; not srun's (a task launch failed once so),
+    --elastic's (its going on within BOUND leaves less room) nor fit()'s (a test of fit() or
+    of notebooks takes any driver and rank left on the machine for its own)."""
+    beside = case.launcher in ("gloo", "mpi", "mpi-horovod", "mpirun")
     return [
         *([] if case.id in MAIN else [SLOW]),
+        *([pytest.mark.beside] if beside else []),
         *([needs_slurm] if case.launcher == "srun" else []),
     ]
 

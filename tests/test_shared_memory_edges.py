@@ -153,6 +153,7 @@ print("sum", total.tolist(), flush=True)
 
 
 @pytest.mark.slow
+@pytest.mark.beside  # asleep, timing nothing; makes segments but counts none
 def test_a_live_rank_is_waited_for_however_long_it_takes(tmp_path: Path) -> None:
     """A user's own script (no hvd-cpu watchdog) whose rank 1 spends twice Gloo's timeout
     between two allreduces: the engine failed it at the timeout ("rank 1 of this host did not
@@ -271,6 +272,7 @@ def late_model(folder: Path, seconds: float) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.beside  # asleep for most of it, timing nothing
 @pytest.mark.parametrize(
     ("controller", "env", "stall"),
     [("mpi", {}, "60"), ("gloo", {"HOROVOD_GLOO_SHARED_MEMORY": "0"}, "0")],

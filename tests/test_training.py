@@ -21,6 +21,9 @@ from hvd_cpu.output.model_files import CHECKPOINT, load
 
 from .jobs import BIN, demo_file, horovodrun, hvd_cpu, processes_naming, ranks, run, weights
 
+# Slow tests here may run beside another test (launch/test.sh's first stage, two workers).
+pytestmark = pytest.mark.beside
+
 RESULTS = ("epoch", "train_loss", "val_loss", "samples", "lr", "world_size")
 
 
