@@ -8,8 +8,8 @@ export PATH=${HVD_CPU_VENV:-$repo/.venv}/bin:$PATH
 cd "$repo"
 status=0
 # The fresh machine first, then the image (which builds its Horovod, or takes an earlier
-# image build's wheel from the cache).
-files=(tests/test_fresh_install.py tests/test_container.py)
+# image build's wheel from the cache), then the MPI Operator's pods made of that same image.
+files=(tests/test_fresh_install.py tests/test_container.py tests/test_kubernetes_contract.py)
 (($#)) && files=("$@")
 pytest -m container -s "${files[@]}" || status=$?
 if ((status == 5)); then

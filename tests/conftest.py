@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from .jobs import demo_file
+from .podman import build_image, remove_image
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +24,14 @@ def demo_parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def frame_20k(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """20,000 demo rows: enough batches per epoch for resizes, kills and early stopping."""
     return demo_file(tmp_path_factory.mktemp("data") / "demo20k.parquet", rows=20_000)
+
+
+@pytest.fixture(scope="session")
+def image() -> Iterator[str]:
+    """The project's image, built for real once for every container test of the session: the
+    first test that asks pays for the build (10-20 minutes, Horovod's compile included)."""
+    yield build_image()
+    remove_image()
 
 
 @pytest.fixture(autouse=True)

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from .hosts import Hosts, assert_ranks_numbered_by_host
-from .jobs import REPO, Run, demo_file, needs_root_and_apt, run
+from .jobs import Run, demo_file, needs_root_and_apt, run
+from .podman import containers_conf
+from .podman import podman as podman_command
 
-TAG = "localhost/hvd-cpu:test"
 pytestmark = [
     pytest.mark.container,
     # The first test pays for the image build, Horovod's compile included: 10 to 20 minutes
@@ -30,31 +31,22 @@ pytestmark = [
 ]
 
 
-def containers_conf() -> dict[str, str]:
-    cache = Path(os.environ.get("HVD_CPU_CACHE", Path.home() / ".cache" / "hvd-cpu"))
-    return {"CONTAINERS_CONF": str(cache / "containers" / "containers.conf")}
-
-
-@pytest.fixture(scope="module")
-def image() -> Iterator[str]:
-    built = run([str(REPO / "tests" / "container" / "build-image.sh"), TAG], timeout=3000)
-    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    yield TAG
-    # Several GB with the CUDA build of torch: a machine that runs CI again needs the room.
-    run(["podman", "rmi", "--force", TAG], env=containers_conf())
-
-
 def podman(*args: str, timeout: float = 600) -> Run:
-    return run(["podman", "run", "--rm", *args], timeout=timeout, env=containers_conf())
+    """`podman run --rm ARGS`: a container that goes when its command ends."""
+    return podman_command("run", "--rm", *args, timeout=timeout)
 
 
-def test_the_default_command_is_the_four_rank_demo(image: str) -> None:
-    """The card's shape, over Gloo (named: plain horovodrun would pick MPI in this image)."""
-    job = podman(image)
+def test_the_default_command_is_the_four_rank_demo(image: str, tmp_path: Path) -> None:
+    """The card's shape, over Gloo (named: plain horovodrun would pick MPI in this image), with
+    --auto-resume: the container started again on the same folder finds the job done."""
+    job = podman("-v", f"{tmp_path}:/work", image)
     assert job.returncode == 0, job.stdout + job.stderr
     epochs = [line for line in job.stdout.splitlines() if line.startswith("[0]<stdout>:Epoch")]
     assert len(epochs) == 10
     assert "over 4 rank(s)" in job.stdout
+    again = podman("-v", f"{tmp_path}:/work", image)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "<stdout>:Epoch" not in again.stdout
 
 
 def test_training_on_a_mounted_frame(image: str, tmp_path: Path) -> None:
