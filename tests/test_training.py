@@ -21,9 +21,6 @@ from hvd_cpu.output.model_files import CHECKPOINT, load
 
 from .jobs import BIN, demo_file, horovodrun, hvd_cpu, processes_naming, ranks, run, weights
 
-# Slow tests here may run beside another test (launch/test.sh's first stage, two workers).
-pytestmark = pytest.mark.beside
-
 RESULTS = ("epoch", "train_loss", "val_loss", "samples", "lr", "world_size")
 
 
@@ -32,6 +29,8 @@ def history(output: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k in RESULTS} for line in lines]
 
 
+# One at a time: it must catch a job of 0.3 s epochs between its second and sixth, which a
+# test process starved by a second worker missed.
 @pytest.mark.slow
 def test_a_killed_run_resumed_ends_where_an_uninterrupted_one_does(
     frame_20k: Path, tmp_path: Path
@@ -148,6 +147,7 @@ def test_early_stopping_ends_every_rank_at_the_same_epoch(
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_predictions_are_the_same_from_one_rank_or_two(frame_20k: Path, tmp_path: Path) -> None:
     trained = hvd_cpu("train", "--data", str(frame_20k), "--epochs", "2", "--output",
                       str(tmp_path / "model"))  # fmt: skip
@@ -206,6 +206,7 @@ def test_fit_runs_two_ranks_from_a_plain_python_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_a_terminal_gets_a_progress_bar_and_plot_draws_the_curves(
     frame_20k: Path, tmp_path: Path
 ) -> None:
