@@ -29,6 +29,9 @@ from .slurm import SlurmCluster, missing_tools
 SCRIPT = REPO / "launch" / "slurm.sbatch"
 JOB_SECONDS = 240  # sbatch --wait's own limit; a hung job is SLURM's to end (--time)
 
+# The tests marked beside may run beside another test (the cluster's ports are free ones);
+# not the stopped rank's, whose --stall-seconds 6 a live rank starved by a second worker
+# could outlast.
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="the test SLURM cluster runs its daemons as root"),
@@ -125,6 +128,7 @@ def gloo_reference(demo_parquet: Path, tmp_path_factory: pytest.TempPathFactory)
     return out
 
 
+@pytest.mark.beside
 @pytest.mark.parametrize("launcher", ["srun", "mpirun"])
 def test_sbatch_trains_two_mpi_ranks_like_gloo(
     launcher: str,
@@ -156,6 +160,7 @@ def test_sbatch_trains_two_mpi_ranks_like_gloo(
     assert_nothing_left(cluster, job, out)
 
 
+@pytest.mark.beside
 def test_threads_per_rank_come_from_slurm(
     cluster: SlurmCluster, demo_parquet: Path, tmp_path: Path
 ) -> None:
@@ -175,6 +180,7 @@ def test_threads_per_rank_come_from_slurm(
     assert [(r["rank"], r["threads"], r["controller"]) for r in ranks] == [(0, 1, "mpi")]
 
 
+@pytest.mark.beside
 def test_allocation_smaller_than_asked_ends_with_one_line(
     cluster: SlurmCluster, demo_parquet: Path, tmp_path: Path
 ) -> None:
@@ -196,6 +202,7 @@ def test_allocation_smaller_than_asked_ends_with_one_line(
     assert_nothing_left(cluster, job, out)
 
 
+@pytest.mark.beside
 def test_bad_input_in_a_job_ends_it_with_status_2(cluster: SlurmCluster, tmp_path: Path) -> None:
     """A missing --data file, then a frame without its target (found after MPI started, so
     the ranks must leave MPI properly for the job's status to be rank 0's 2, every time):
@@ -269,6 +276,7 @@ def never_stopped(
     return [r["param_sha256"] for r in json.loads((folder / "out" / "ranks.json").read_text())]
 
 
+@pytest.mark.beside
 @pytest.mark.parametrize("stop", ["scontrol requeue", "scancel --signal=TERM"])
 def test_a_job_slurm_stops_comes_back_by_itself_and_ends_as_if_never_stopped(
     stop: str, cluster: SlurmCluster, long_frame: Path, never_stopped: list[str], tmp_path: Path
@@ -325,6 +333,7 @@ def test_a_job_slurm_stops_comes_back_by_itself_and_ends_as_if_never_stopped(
     assert_nothing_left(cluster, job, output)
 
 
+@pytest.mark.beside
 def test_the_script_outside_slurm_says_how_to_submit() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     done = subprocess.run(
