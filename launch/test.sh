@@ -25,11 +25,11 @@ if (($#)); then
 else
   # Two at a time (two workers): the main suite and the slow tests marked `beside` (the
   # whole matrices of bad input, datasets, user models, config files and tracking, the
-  # benchmarks, Spark, preemption, most rank failures, some elastic jobs, the late ranks),
-  # which measure no seconds tightly. Each worker takes whole files (a file's tests one
-  # after another: they share its fixtures, a Spark cluster, an MLflow server). Then the
-  # rest of the slow ones (faults, namespace hosts, SLURM, speed) one at a time, as they
-  # share the namespace hosts' network or measure seconds. --durations: where CI's time goes.
+  # benchmarks, Spark, preemption, SLURM, most rank failures, some elastic jobs, the late
+  # ranks), which measure no seconds tightly. Each worker takes whole files (a file's tests
+  # one after another: they share its fixtures, a Spark cluster, an MLflow server). Then the
+  # rest of the slow ones (faults, namespace hosts, stall bounds, speed) one at a time, as
+  # they share the namespace hosts' network or measure seconds. --durations: where time goes.
   tests -m "not container and (not slow or beside)" -n 2 --dist loadfile --durations=25
   tests -m "slow and not beside and not container" --durations=25
 fi
