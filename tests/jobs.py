@@ -228,6 +228,25 @@ def metrics(output: Path) -> list[dict]:
     return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 
 
+# What an epoch's record says of training (not of its timing).
+RESULTS = ("epoch", "train_loss", "val_loss", "samples", "lr", "world_size")
+
+
+def history(output: Path) -> list[dict]:
+    """Each epoch's RESULTS in OUTPUT/metrics.jsonl."""
+    return [{k: v for k, v in m.items() if k in RESULTS} for m in metrics(output)]
+
+
+def assert_same_history(got: Path, want: Path) -> None:
+    """Two runs' epochs alike: equal but for the train loss of an epoch stopped inside and
+    resumed, whose parts are summed in another order (float64's last digits)."""
+    resumed, whole = history(got), history(want)
+    assert [{**h, "train_loss": 0} for h in resumed] == [{**h, "train_loss": 0} for h in whole]
+    assert [h["train_loss"] for h in resumed] == pytest.approx(
+        [h["train_loss"] for h in whole], rel=1e-12
+    )
+
+
 def ranks(output: Path) -> list[dict]:
     """OUTPUT/ranks.json: one entry per rank."""
     return json.loads((output / "ranks.json").read_text())

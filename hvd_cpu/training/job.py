@@ -95,6 +95,7 @@ class Job:
         rank 0 saves this exact point (the position in the epoch included); what the job
         ends with."""
         trainer, output = self.trainer, self.config.output
+        trainer.carry_epoch()
 
         def save() -> None:
             trainer.checkpoint(self.prepared.transform).save(output / CHECKPOINT)

@@ -23,6 +23,9 @@ class LoopState:
     since_lr_change: int = 0  # epochs without progress since the lr last changed
     epoch_rows: int = 0  # rows of the current epoch trained by all ranks (a resume goes on here)
     epoch_ranks: int = 0  # how many ranks began the current epoch (its padding is theirs)
+    # The current epoch's sums before an agreed stop, over all ranks: loss, samples, correct,
+    # seconds waited, seconds (Trainer.carry_epoch), so a resumed epoch's metrics are whole.
+    epoch_carried: list[float] = field(default_factory=list)
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def validated(self, val_loss: float, epoch: int, plateau_patience: int | None) -> None:

@@ -57,6 +57,10 @@ class Trainer:
         self.classification = config.task == Task.CLASSIFICATION
         self.loss_fn = loss_fn
         self.state = LoopState()
+        # This rank's sums of the epoch running: loss, samples, correct; seconds waited; start.
+        self.epoch_sums = torch.zeros(3, dtype=torch.float64)
+        self.epoch_waited = 0.0
+        self.epoch_start = time.perf_counter()
         self._schedule_for(world)
 
     def _schedule_for(self, world: World) -> None:
@@ -122,23 +126,21 @@ class Trainer:
         self.model.train()
         # Summed as tensors, float64 so long epochs stay exact: the loop waits on no .item()
         # (but for the progress bar's running loss, shown on a terminal only).
-        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, samples, correct
-        waited = 0.0
-        start = time.perf_counter()
+        self.epoch_sums = torch.zeros(3, dtype=torch.float64)
+        self.epoch_waited, self.epoch_start = 0.0, time.perf_counter()
         for x, y in self.batches:
             loss_sum, correct, batch_waited = self._run_batch(x, y)
-            totals += torch.stack([loss_sum.double(), torch.tensor(len(x)), correct.double()])
-            waited += batch_waited
+            self.epoch_sums += torch.stack(
+                [loss_sum.double(), torch.tensor(len(x)), correct.double()]
+            )
+            self.epoch_waited += batch_waited
             state.epoch_rows += self.config.batch_size * self.world.size
             if progress:
                 progress.update(len(x), float(loss_sum) / len(x))
             if after_step:
                 after_step()
-        waited += self.gradient_sync.end_epoch()
-        seconds = time.perf_counter() - start
-        totals = torch.cat([totals, torch.tensor([waited], dtype=torch.float64)])
-        totals = self.world.collectives.sum(totals, "epoch_totals")
-        loss_sum, samples, correct, waited = totals.tolist()
+        self.epoch_waited += self.gradient_sync.end_epoch()
+        loss_sum, samples, correct, waited, seconds = self._epoch_so_far("epoch_totals")
         metrics = EpochMetrics(
             epoch=epoch,
             train_loss=loss_sum / samples,
@@ -154,9 +156,23 @@ class Trainer:
                 self.model, self.loss_fn, self.classification, self.world.collectives
             )
             state.validated(metrics.val_loss, epoch, self.config.plateau_patience)
-        state.epoch, state.epoch_rows = epoch, 0
+        state.epoch, state.epoch_rows, state.epoch_carried = epoch, 0, []
         state.history.append(metrics.record())
         return metrics
+
+    def _epoch_so_far(self, name: str) -> list[float]:
+        """Every rank: the epoch's loss, samples, correct and seconds waited, summed over the
+        ranks (a collective named `name`), and its seconds; parts before a stop included."""
+        mine = torch.cat([self.epoch_sums, torch.tensor([self.epoch_waited], dtype=torch.float64)])
+        sums = [*self.world.collectives.sum(mine, name).tolist()]
+        sums.append(time.perf_counter() - self.epoch_start)
+        return [a + b for a, b in zip(self.state.epoch_carried or [0.0] * 5, sums, strict=True)]
+
+    def carry_epoch(self) -> None:
+        """Every rank, at an agreed stop inside an epoch: the epoch's sums so far go into
+        LoopState (what the checkpoint holds), so the epoch, resumed, reports the loss, samples
+        and time of all of it, as a run never stopped does."""
+        self.state.epoch_carried = self._epoch_so_far("epoch_carried")
 
     def done(self) -> bool:
         return self.state.finished(self.config.epochs, self.config.patience)
