@@ -31,7 +31,7 @@ JOB_SECONDS = 240  # sbatch --wait's own limit; a hung job is SLURM's to end (--
 
 # The tests marked beside may run beside another test (the cluster's ports are free ones);
 # not the stopped rank's, whose --stall-seconds 6 a live rank starved by a second worker
-# could outlast.
+# could outlast, nor the preempted jobs' (below).
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="the test SLURM cluster runs its daemons as root"),
@@ -276,7 +276,8 @@ def never_stopped(
     return [r["param_sha256"] for r in json.loads((folder / "out" / "ranks.json").read_text())]
 
 
-@pytest.mark.beside
+# One at a time: SLURM kills the job KillWait (5 s here) after its SIGTERM, and beside another
+# test the ranks' stop and checkpoint once took longer (no "stopped by SIGTERM" line).
 @pytest.mark.parametrize("stop", ["scontrol requeue", "scancel --signal=TERM"])
 def test_a_job_slurm_stops_comes_back_by_itself_and_ends_as_if_never_stopped(
     stop: str, cluster: SlurmCluster, long_frame: Path, never_stopped: list[str], tmp_path: Path
