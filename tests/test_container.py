@@ -8,7 +8,6 @@ over two containers, each in a network namespace of its own (tests/hosts.py): tw
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from .hosts import Hosts, assert_ranks_numbered_by_host
-from .jobs import Run, demo_file, needs_root_and_apt, run
-from .podman import containers_conf
+from .jobs import Run, demo_file, needs_root_and_apt
 from .podman import podman as podman_command
 
 pytestmark = [
@@ -94,11 +92,9 @@ def test_the_image_has_no_build_tools(image: str) -> None:
     """Open MPI's runtime is in, its compiler wrappers (which need gcc) are not."""
     job = podman(image, "sh", "-c", "command -v g++ gcc cmake make mpicc mpicxx || echo none")
     assert job.stdout.strip() == "none"
-    size = subprocess.run(
-        ["podman", "image", "inspect", "--format", "{{.Size}}", image],
-        capture_output=True, text=True, env={**os.environ, **containers_conf()}, check=True,
-    ).stdout.strip()  # fmt: skip
-    print(f"image size: {int(size) / 2**20:.0f} MiB")
+    size = podman_command("image", "inspect", "--format", "{{.Size}}", image)
+    assert size.returncode == 0, size.stderr
+    print(f"image size: {int(size.stdout.strip()) / 2**20:.0f} MiB")
 
 
 def test_horovodrun_in_the_image_answers_its_build_check_from_the_cache(image: str) -> None:
@@ -176,17 +172,12 @@ class TwoHosts:
 
     def launch(self, *args: str, timeout: float = 600) -> Run:
         """`podman exec` in the first container: the command a user types on the first host."""
-        return run(
-            ["podman", "exec", self.containers[0], *args], timeout=timeout, env=containers_conf()
-        )
+        return podman_command("exec", self.containers[0], *args, timeout=timeout)
 
 
 def _leftovers(names: list[str]) -> list[str]:
     """Containers, namespaces and processes (conmon, sshd, ranks) the test set-up left."""
-    found = subprocess.run(
-        ["podman", "ps", "-a", "--format", "{{.Names}}"],
-        capture_output=True, text=True, env={**os.environ, **containers_conf()}, check=False,
-    ).stdout.split()  # fmt: skip
+    found = podman_command("ps", "-a", "--format", "{{.Names}}").stdout.split()
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     processes = subprocess.run(
         ["pgrep", "-af", "hvd-cpu-test-hvdctr"], capture_output=True, text=True
@@ -209,17 +200,14 @@ def two_hosts(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     with Hosts(folder, CONTAINER_HOSTS, sshd=False, bridge="hvdc0", subnet="198.18.1") as hosts:
         try:
             for host, name in zip(hosts.hosts, names, strict=True):
-                started = run(
-                    [
-                        "podman", "run", "-d", "--name", name,
-                        "--network", f"ns:/run/netns/{host.name}", "--hostname", host.name,
-                        "--no-hosts", "-v", f"/etc/netns/{host.name}/hosts:/etc/hosts:ro",
-                        "-e", "HVD_CPU_SSHD=1",
-                        "-v", f"{folder}/authorized_keys:/root/.ssh/authorized_keys:ro",
-                        "-v", f"{hosts.key}:/keys/key:ro", "-v", f"{data}:/data",
-                        image, "sleep", "infinity",
-                    ],
-                    env=containers_conf(),
+                started = podman_command(
+                    "run", "-d", "--name", name,
+                    "--network", f"ns:/run/netns/{host.name}", "--hostname", host.name,
+                    "--no-hosts", "-v", f"/etc/netns/{host.name}/hosts:/etc/hosts:ro",
+                    "-e", "HVD_CPU_SSHD=1",
+                    "-v", f"{folder}/authorized_keys:/root/.ssh/authorized_keys:ro",
+                    "-v", f"{hosts.key}:/keys/key:ro", "-v", f"{data}:/data",
+                    image, "sleep", "infinity",
                 )  # fmt: skip
                 assert started.returncode == 0, started.stderr
             made = TwoHosts(names, CONTAINER_HOSTS, data)
@@ -227,7 +215,7 @@ def two_hosts(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                 _wait_for_ssh(made, hostname)
             yield made
         finally:
-            run(["podman", "rm", "-f", "-t", "0", *names], env=containers_conf())
+            podman_command("rm", "-f", "-t", "0", *names)
     deadline = time.monotonic() + 10
     while _leftovers(names) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -250,8 +238,7 @@ def _wait_for_ssh(hosts: TwoHosts, hostname: str) -> None:
 
 def _no_rank_left(hosts: TwoHosts) -> None:
     for container in hosts.containers:
-        ranks = run(["podman", "exec", container, "pgrep", "-af", "hvd-cpu train"],
-                    env=containers_conf())  # fmt: skip
+        ranks = podman_command("exec", container, "pgrep", "-af", "hvd-cpu train")
         assert ranks.stdout.strip() == "", f"{container} still runs: {ranks.stdout}"
 
 

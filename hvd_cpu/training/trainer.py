@@ -164,7 +164,7 @@ class Trainer:
         """Every rank: the epoch's loss, samples, correct and seconds waited, summed over the
         ranks (a collective named `name`), and its seconds; parts before a stop included."""
         mine = torch.cat([self.epoch_sums, torch.tensor([self.epoch_waited], dtype=torch.float64)])
-        sums = [*self.world.collectives.sum(mine, name).tolist()]
+        sums = self.world.collectives.sum(mine, name).tolist()
         sums.append(time.perf_counter() - self.epoch_start)
         return [a + b for a, b in zip(self.state.epoch_carried or [0.0] * 5, sums, strict=True)]
 
