@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -81,6 +82,9 @@ def _mount(root: Path) -> list[Path]:
         ("proc", "proc", ["-t", "proc"]),
         ("/sys", "sys", ["--rbind"]),
         ("/dev", "dev", ["--rbind"]),
+        # A /dev/shm of its own, as another machine has: CI runs these tests beside the others
+        # (.ci/run), whose checks of this machine's /dev/shm must not see this one's jobs.
+        ("tmpfs", "dev/shm", ["-t", "tmpfs", "-o", "mode=1777,nosuid,nodev"]),
     ):
         subprocess.run(["mount", *options, source, str(root / target)], check=True)
         mounted.append(root / target)
@@ -108,6 +112,8 @@ def machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machine]:
         shutil.copy("/etc/ssl/certs/ca-certificates.crt", root / "etc/ssl/certs")
         _clone_into(box.home / "hvd-cpu")
         yield box
+        left = sorted(path.name for path in (root / "dev" / "shm").glob("hvd-cpu-*"))
+        assert not left, f"hvd-cpu's shared-memory segments left in the machine's /dev/shm: {left}"
     finally:
         for target in reversed(mounted):
             subprocess.run(["umount", "-R", "-l", str(target)], check=False)
@@ -145,6 +151,12 @@ def _trained(output: Path, ranks: int, controller: str) -> None:
     assert len({r["param_sha256"] for r in report}) == 1
 
 
+def _children_cpu_seconds() -> float:
+    """CPU seconds of this process's finished children (a build takes several hundred)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
 def _extension(machine: Machine) -> Path:
     return next(
         (machine.home / "hvd-cpu/.venv/lib").glob(
@@ -176,12 +188,14 @@ def test_the_readme_install_as_an_ordinary_user_gets_open_mpi_from_pypi(machine:
     assert not [line for line in needed.splitlines() if "NEEDED" in line and "cuda" in line]
     assert "[libmpi.so.40]" in needed and f"/home/{USER}/hvd-cpu/.venv/lib" in needed
 
+    spent = _children_cpu_seconds()
     again = machine.as_user("./launch/install.sh")
+    spent = _children_cpu_seconds() - spent
     assert again.returncode == 0, again.stderr
     assert "MPI: Open MPI 5.0." in again.stderr and "from PyPI, in this environment" in again.stderr
     assert "Horovod 0.28.1 is up to date: PyTorch, Gloo and MPI (Open MPI" in again.stderr
-    print(f"second install: {again.seconds:.1f} s")
-    assert again.seconds < 60
+    print(f"second install: {again.seconds:.1f} s, {spent:.1f} CPU-s")
+    assert spent < 60  # CPU seconds, not wall: CI runs these at the lowest priority (.ci/run)
 
 
 def test_two_rank_jobs_over_mpi_and_gloo_train_as_an_ordinary_user(machine: Machine) -> None:
@@ -235,12 +249,14 @@ def test_a_gloo_only_build_when_asked_and_mpi_back_from_the_cache(machine: Machi
         "horovodrun: error: --mpi: this Horovod was built without MPI; install Open MPI and "
         "rebuild (hvd-cpu install-horovod), or launch with --gloo"
     ]
+    spent = _children_cpu_seconds()
     back = machine.as_user("./launch/install.sh")
-    print(f"MPI build back from the cache: {back.seconds:.1f} s")
+    spent = _children_cpu_seconds() - spent
+    print(f"MPI build back from the cache: {back.seconds:.1f} s, {spent:.1f} CPU-s")
     assert back.returncode == 0, back.stderr
     assert "building Horovod" not in back.stderr
     assert "ready: PyTorch, Gloo and MPI (Open MPI 5.0." in back.stderr
-    assert back.seconds < 60
+    assert spent < 60
 
 
 def test_the_machines_open_mpi_when_the_user_drops_pypis(machine: Machine) -> None:
