@@ -3,7 +3,7 @@ own: it finds the job's ports from /proc, as any local user could, and sends the
 make up.
 
     python -m tests.hostile heartbeats MARKER   the ranks' UDP heartbeats (runtime/watchdog.py)
-    python -m tests.hostile relay PID           the Spark driver's relay (spark/relay.py)
+    python -m tests.hostile relay PID           the Spark driver's relay (clusters/relay.py)
 
 MARKER names the ranks' command lines (their output folder), PID the driver's process. It
 prints `ready ...` once it has its targets (heartbeats: and, as root, has listened to the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,7 +47,7 @@ from tests.spark_cluster import (
 # (RANK_PROCESS), so the Spark tests of other files run in the serial stage.
 pytestmark = [needs_spark, pytest.mark.beside]
 RANKS = 4
-RANK_PROCESS = "hvd_cpu.spark.rank"  # what a rank process's command line names
+RANK_PROCESS = "hvd_cpu.clusters.rank"  # what a rank process's command line names
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +162,11 @@ def test_command_line_bad_input(tmp_path: Path) -> None:
         "no Spark master answers at spark://127.0.0.1:9": ["--master", "spark://127.0.0.1:9"],
         "pyspark is not installed: pip install 'hvd-cpu[spark]'": ["--master", "local[2]"],
         "Spark needs Java": ["--master", "local[2]"],
-    }
+        # said before a session starts (which took 34 s here on a busy machine)
+        "the master local[1] runs 1 task(s) at once, fewer than num_proc=3": [
+            "--master", "local[1]", "--np", "3",
+        ],
+    }  # fmt: skip
     envs = {
         "pyspark is not installed: pip install 'hvd-cpu[spark]'": "pyspark",
         "Spark needs Java": "java",
@@ -184,6 +189,38 @@ def test_command_line_bad_input(tmp_path: Path) -> None:
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and said in lines[0], done.stderr
         assert time.monotonic() - started < 60
+
+
+def test_executors_whose_python_cannot_run_a_rank_are_named(tmp_path: Path) -> None:
+    """A user's own session (local[2]) from a script run with this environment's Python,
+    PYSPARK_PYTHON unset: the executors run the first python3 on the PATH, here the machine's,
+    without pandas or hvd-cpu. One line says which Python they run, what it lacks and how to
+    point them at this one, before any rank starts."""
+    script = (
+        "import sys\n"
+        "from pyspark.sql import SparkSession\n"
+        "import hvd_cpu.spark\n"
+        "from hvd_cpu.errors import InputError\n"
+        "spark = SparkSession.builder.master('local[2]').getOrCreate()\n"
+        "sdf = spark.createDataFrame(hvd_cpu.data.demo.make_demo_frame(100, 2))\n"
+        "try:\n"
+        "    hvd_cpu.spark.fit(sdf, num_proc=2, output=sys.argv[1])\n"
+        "except InputError as exc:\n"
+        "    print(exc)\n"
+    )
+    java = Path(os.path.realpath(shutil.which("java") or "java")).parent
+    env = {**os.environ, "PATH": f"/usr/bin:/bin:{java}"}
+    env.pop("PYSPARK_PYTHON", None)
+    done = subprocess.run(
+        [sys.executable, "-c", "import hvd_cpu.data.demo\n" + script, str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout.strip().splitlines()
+    assert len(said) == 1, done.stdout
+    assert "Spark's executors run /usr/bin/python3, which cannot import pandas" in said[0]
+    assert f"set PYSPARK_PYTHON={sys.executable}" in said[0]
+    assert not (tmp_path / "out").exists()
 
 
 class Breaks(nn.Module):

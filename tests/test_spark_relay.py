@@ -1,4 +1,4 @@
-"""The Spark driver's relay answers its own tasks only (spark/relay.py): in one process, a real
+"""The Spark driver's relay answers its own tasks only (clusters/relay.py): in one process, a real
 Relay and Link over TCP and attacker sockets beside them (nothing of theirs is written, the
 relay holds little, the link's lines arrive whole, control characters taken out); then a
 real Spark job whose relay another process attacks (tests/hostile.py)."""
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from hvd_cpu.clusters.relay import FRAME, GREETING, HEADER, MARGIN, NONCE_BYTES, Link, Relay
 from hvd_cpu.runtime import reach, secret
-from hvd_cpu.spark.relay import FRAME, GREETING, HEADER, MARGIN, NONCE_BYTES, Link, Relay
 
 from .jobs import REPO, SLOW
 from .spark_cluster import COMMAND, needs_spark, table

@@ -1,8 +1,8 @@
-"""One rank of a Spark job, in a process of its own that its task started (spark/task.py):
-`python -m hvd_cpu.spark.rank FOLDER`, where FOLDER holds the job and the rows of the task's
-partition, and gets the outcome: ("result", rank 0's TrainResult pickled, else None) or
-("error", the InputError every rank met). A rank that fails leaves its exception in FOLDER
-as under fit() (runtime/failure.py) and exits 1."""
+"""One rank of a cluster's job, in a process of its own that its Spark task or Ray actor started
+(clusters/worker.py): `python -m hvd_cpu.clusters.rank FOLDER`, where FOLDER holds the job and
+the worker's rows, and gets the outcome: ("result", rank 0's TrainResult pickled, else None) or
+("error", the InputError every rank met). A rank that fails leaves its exception in FOLDER as
+under fit() (runtime/failure.py) and exits 1."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from hvd_cpu.training.train import train
 
 
 def main(folder: Path) -> None:
-    end_with_parent()  # a task killed by Spark takes its rank with it
+    end_with_parent()  # a worker killed (by Spark, by Ray) takes its rank with it
     config, shipped = cloudpickle.loads((folder / "job.pkl").read_bytes())
     own = pd.read_pickle(folder / "rows.pkl")
     (folder / "rows.pkl").unlink()
@@ -34,7 +34,7 @@ def main(folder: Path) -> None:
     except InputError as exc:
         outcome = ("error", exc)
     except horovod.PeerLost:
-        exit_now(1)  # another task was lost: the driver says so, with Spark's reason
+        exit_now(1)  # another rank was lost: the driver says so, with the engine's reason
     record = cloudpickle.dumps(outcome)
     atomic_write(folder / "outcome.pkl", lambda file: file.write(record))
 

@@ -1,19 +1,21 @@
-"""The line between the driver and its Spark tasks: what each task's rank prints reaches the
-driver's own stdout and stderr (a notebook cell, a terminal), not an executor's log file.
+"""The line between the driver and its cluster workers (Spark's tasks, Ray's actors): what
+each one's rank prints reaches the driver's own stdout and stderr (a notebook cell, a
+terminal), not a worker's log file.
 
     driver: Relay(address, tasks, key)   a TCP server, one thread per task
     task:   Link(address, key)           relay(process): its stdout and stderr, in frames
 
 Only the job's own tasks get a word in. The relay listens on the address the executors reach
-the driver at (spark/cluster.py's relay_address), and holds at most `tasks` + MARGIN
-connections at once: any more are closed at once. It greets each with a fresh nonce; the
+the driver at (spark/cluster.py's relay_address, ray/cluster.py's), and holds at most `tasks` +
+MARGIN connections at once: any more are closed at once. It greets each with a fresh nonce; the
 task answers with a MAC of it under the job's relay key (runtime/secret.py: the job's key
-reaches the tasks inside the function Spark ships them), then sends frames: its stream, a
-sequence number one above the last, at most FRAME bytes of output and a MAC over those and
-the nonce. A connection whose answer or any frame does not check out is closed, and nothing
-it sent is written. Output is written line by line (a line longer than FRAME in pieces), the
-control characters taken out (ESC and the other C0 and C1 controls but tab and newline), so
-that what a rank prints cannot move the terminal's cursor, rename its window or hide text.
+reaches the tasks inside the function Spark ships them, the actors in their call), then sends
+frames: its stream, a sequence number one above the last, at most FRAME bytes of output and a
+MAC over those and the nonce. A connection whose answer or any frame does not check out is
+closed, and nothing it sent is written. Output is written line by line (a line longer than
+FRAME in pieces), the control characters taken out (ESC and the other C0 and C1 controls but
+tab and newline), so that what a rank prints cannot move the terminal's cursor, rename its
+window or hide text.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ class Relay:
 
         self._server = Server((address, 0), Handler)
         self.address = self._server.server_address[:2]
-        threading.Thread(target=self._server.serve_forever, name="spark-relay", daemon=True).start()
+        serving = threading.Thread(target=self._server.serve_forever, name="relay", daemon=True)
+        serving.start()
 
     def _serve(self, connection: socket.socket) -> None:
         """Let a task in and write what it sends, until it ends or fails a check."""

@@ -5,8 +5,9 @@ DataFrame (pip install 'hvd-cpu[spark]', and Java).
     predict(run, sdf)                                  spark/predict_job.py: on the executors
 
 The driver's checks (pyspark, Java, master, slots, columns) are spark/cluster.py's; what a
-task runs spark/task.py's and spark/rank.py's; the line between them spark/relay.py's.
-pyspark is imported only when one of them is called.
+task runs spark/task.py's. What Spark's and Ray's jobs share (the rank's process, the relay of
+its lines, the restarts) is hvd_cpu/clusters/'s. pyspark is imported only when one of them is
+called.
 """
 
 from hvd_cpu.spark.predict_job import predict

@@ -9,6 +9,7 @@ master URL nobody listens on makes Spark retry its connection for a minute.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import sys
@@ -27,6 +28,8 @@ LOG_CONFIG = Path(__file__).with_name("log4j2.properties")
 REGISTER_SECONDS = 30.0
 # How long a spark:// master gets to answer.
 CONNECT_SECONDS = 5.0
+# What a rank imports on an executor (pandas for mapInPandas, then clusters/rank.py's).
+RANK_NEEDS = ("pandas", "pyarrow", "hvd_cpu", "torch", "horovod.torch")
 LOOPBACK = "127.0.0.1"
 
 
@@ -97,9 +100,60 @@ def check_slots(spark: Any, num_proc: int) -> None:
         )
 
 
+def local_slots(master: str) -> int | None:
+    """The task slots of a local master ("local", "local[N]", "local[*]", "local[N,F]"), known
+    before any session starts; None for a cluster's master."""
+    found = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\d+)?\])?", master.strip())
+    if not found:
+        return None
+    cores = found.group(1) or "1"
+    return os.cpu_count() or 1 if cores == "*" else int(cores)
+
+
+def check_local_slots(master: str, num_proc: int | None) -> None:
+    """A local master with fewer slots than ranks: said before a session starts (which takes
+    seconds, tens of them on a busy machine)."""
+    slots = local_slots(master)
+    if slots is not None and num_proc is not None and slots < num_proc:
+        raise InputError(
+            f"the master {master} runs {slots} task(s) at once, fewer than num_proc={num_proc} "
+            f"(every rank is a task, all running at once); use num_proc={slots} or fewer, or "
+            f"local[{num_proc}]"
+        )
+
+
+def check_executors(spark: Any, slots: int) -> None:
+    """The executors' Python can run a rank: it is PYSPARK_PYTHON's (Spark's default: the
+    first python3 on the executors' PATH), which need not be this one. One small Spark job,
+    whose function is shipped by value (it imports nothing of hvd-cpu to be unpickled)."""
+    needs = RANK_NEEDS
+
+    def probe(_: Any) -> Any:
+        import importlib
+        import sys as system
+
+        missing = []
+        for name in needs:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:
+                missing.append(f"{name} ({type(exc).__name__}: {exc})")
+        return [(system.executable, missing)]
+
+    context = spark.sparkContext
+    answers = context.parallelize(range(slots), slots).mapPartitions(probe).collect()
+    for python, missing in answers:
+        if missing:
+            raise InputError(
+                f"Spark's executors run {python}, which cannot import {'; '.join(missing)}: "
+                f"set PYSPARK_PYTHON={sys.executable} (this environment's Python) before the "
+                "session starts, or install hvd-cpu in theirs"
+            )
+
+
 def relay_address(spark: Any) -> str:
     """The address the executors reach the driver at, which the relay of the ranks' lines
-    (spark/relay.py) listens on alone: spark.driver.host's, 127.0.0.1 under a local master
+    (clusters/relay.py) listens on alone: spark.driver.host's, 127.0.0.1 under a local master
     (its executors are this process)."""
     context = spark.sparkContext
     if context.master.startswith("local"):

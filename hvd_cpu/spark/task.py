@@ -4,40 +4,31 @@ task's own partition.
 The tasks run in barrier mode (all start together or none). They tell each other where they
 run (BarrierTaskContext.allGather), lay the ranks out over those hosts as horovodrun would,
 and the task of rank 0 holds the Gloo rendezvous. Each task then starts its rank as a process
-of its own (spark/rank.py): Horovod, its signal handling and a failing rank's exit stay out of
-Spark's Python worker, which Spark reuses for later tasks. The rank's output goes to the
-driver (spark/relay.py); the task's one row back says how the rank ended.
+of its own (clusters/worker.py), its output relayed to the driver (clusters/relay.py); the
+task's one row back says how the rank ended.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
-import psutil
 
-from hvd_cpu.runtime.failure import FAILURES, failure_record_in
-from hvd_cpu.spark.relay import Link
+from hvd_cpu.clusters.relay import Link
+from hvd_cpu.clusters.worker import address_towards, interface_of, run_rank
 
 if TYPE_CHECKING:  # Horovod itself is imported by the tasks only
     from hvd_cpu.runtime.horovod import Slot
 
-# What a task hands back: its rank, the rank process's exit code, rank.py's outcome (pickled)
-# and the failure the rank left (runtime/failure.py's record), each null when there is none.
+# What a task hands back: clusters/worker.py's RankEnd.
 OUTCOME_SCHEMA = "rank int, code int, outcome binary, failure binary"
 
 
 def rank_task(
     job: bytes, columns: pd.DataFrame, driver: tuple[str, int], key: bytes
 ) -> Callable[[Iterator[pd.DataFrame]], Iterator[pd.DataFrame]]:
-    """The function mapInPandas runs on each partition: `job` is spark/rank.py's (config and
+    """The function mapInPandas runs on each partition: `job` is clusters/rank.py's (config and
     the user's code, pickled), `columns` the frame's columns (a partition may have no rows),
     `driver` the relay's address, `key` the job's secret (runtime/secret.py): the relay, the
     rendezvous and the ranks' heartbeats answer only what is signed with it."""
@@ -49,7 +40,7 @@ def rank_task(
         partition = context.partitionId()
         link = Link(driver, key)
         try:
-            address = _address_towards(driver[0])
+            address = address_towards(driver[0])
             # The partition's rows, held by _run_rank alone: it lets go once they are written.
             yield _run_rank(
                 context,
@@ -86,39 +77,12 @@ def _run_rank(
         ports = context.allGather(str(port))
         server = hosts[0]  # partition 0 is rank 0: the first task on the first host
         # The rank's environment holds the job's secret (HOROVOD_JOB_KEY), as under horovodrun.
-        env = horovod.gloo_environment(slot, server, int(ports[0]), _interface(address), key)
-        with tempfile.TemporaryDirectory(prefix="hvd-cpu-spark-") as folder:
-            (Path(folder) / "job.pkl").write_bytes(job)
-            own.to_pickle(Path(folder) / "rows.pkl")
-            del own
-            code = _start(folder, env, link)
-            outcome = Path(folder) / "outcome.pkl"
-            return _outcome(
-                slot.rank,
-                code,
-                outcome.read_bytes() if outcome.exists() else None,
-                failure_record_in(Path(folder)),
-            )
+        env = horovod.gloo_environment(slot, server, int(ports[0]), interface_of(address), key)
+        ended = run_rank(slot.rank, job, own, env, link)
+        return pd.DataFrame({name: [value] for name, value in ended._asdict().items()})
     finally:
         if stop_server:
             stop_server()
-
-
-def _start(folder: str, env: dict[str, str], link: Link) -> int:
-    """The rank's process, its output relayed; its exit code."""
-    env = {**os.environ, **env, FAILURES: folder, "PYTHONUNBUFFERED": "1"}
-    with subprocess.Popen(
-        [sys.executable, "-m", "hvd_cpu.spark.rank", folder],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-    ) as process:
-        copies = link.relay(process)
-        code = process.wait()
-        for copy in copies:
-            copy.join()
-    return code
 
 
 def _counts(hosts: list[str]) -> list[tuple[str, int]]:
@@ -134,25 +98,3 @@ def _slots(hosts: list[str]) -> list[Slot]:
     for slot in horovod.lay_out(_counts(hosts)):
         by_host.setdefault(slot.host, []).append(slot)
     return [by_host[host].pop(0) for host in hosts]
-
-
-def _address_towards(host: str) -> str:
-    """This executor's address on the network towards the driver, where the other tasks
-    reach it too (Spark's own name for an executor's host may resolve nowhere else)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))  # a datagram socket's connect sends nothing: it routes
-        return probe.getsockname()[0]
-
-
-def _interface(address: str) -> str | None:
-    """The network interface holding `address`."""
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(entry.address == address for entry in addresses):
-            return name
-    return None
-
-
-def _outcome(rank: int, code: int, outcome: bytes | None, failure: bytes | None) -> pd.DataFrame:
-    return pd.DataFrame(
-        {"rank": [rank], "code": [code], "outcome": [outcome], "failure": [failure]}
-    )

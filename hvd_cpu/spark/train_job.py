@@ -5,12 +5,11 @@ partitions, and one barrier task per partition runs one rank on that partition's
 (spark/task.py), as `--shard-read` ranks train on their own pieces of a parquet file. Rank 0
 writes the run's folder as `hvd-cpu train` does and hands its model back through Spark.
 Spark does not start a failed barrier stage again; with elastic=True this module does, from
-the job's last checkpoint, on the executors there are then.
+the job's last checkpoint, on the executors there are then (clusters/restarts.py).
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,16 +18,13 @@ from typing import Any
 import cloudpickle
 
 from hvd_cpu.api import FitResult, fit_result, shipped_code, user_config
+from hvd_cpu.clusters.relay import Relay
+from hvd_cpu.clusters.restarts import RankLost, Restarts, first_killed, had_their_say, result_of
 from hvd_cpu.config.options import TrainConfig
-from hvd_cpu.errors import InputError, RunFailed
-from hvd_cpu.lines import say
-from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
+from hvd_cpu.errors import InputError
 from hvd_cpu.runtime import secret
-from hvd_cpu.runtime.failure import failure_from
 from hvd_cpu.spark import cluster
-from hvd_cpu.spark.relay import Relay
 from hvd_cpu.spark.task import OUTCOME_SCHEMA, rank_task
-from hvd_cpu.training.job import job_ends
 
 # What config.toml records as --data for a DataFrame that was no parquet path.
 DATAFRAME = Path("spark-dataframe")
@@ -63,74 +59,35 @@ def fit(
     where = Path(data) if isinstance(data, (str, Path)) else DATAFRAME
     config, code = user_config(target, model, loss, {**options, "data": where, "shard_read": True})
     config = replace(config, output=Path(config.output).absolute())
+    if master:
+        cluster.check_local_slots(master, num_proc)
     spark = cluster.session(master, "hvd-cpu") if master else cluster.session_of(data)
     num_proc = num_proc or cluster.task_slots(spark, 1)
     cluster.check_slots(spark, num_proc)
+    cluster.check_executors(spark, num_proc)
     frame = cluster.frame_of(data, spark)
     cluster.check_columns(frame, [*config.targets, *(config.features or ())])
     training = Training(spark, frame, config, shipped_code(config, code))
     rows = training.going_on(num_proc) if elastic else training.once(num_proc)
-    return fit_result(_result(rows), config.output)
+    return fit_result(result_of(rows), config.output)
 
 
-class RankLost(Exception):
-    """A rank was lost: Spark ended the stage for a lost task (its executor killed, say; Spark
-    does not start a failed barrier result stage again), or a rank's process was killed (the
-    out-of-memory killer, say). What happened, in words."""
+class Training(Restarts):
+    """One training job on the executors: a barrier stage of one task per rank. Spark computes
+    a lost partition again from the frame's lineage, so no rows are lost with an executor."""
 
-
-class Training:
-    """One training job on the executors: a barrier stage of one task per rank, run once,
-    or (elastic) again after a lost rank, from this job's last checkpoint, on the task slots
-    there are then. Spark computes a lost partition again from the frame's lineage, so no
-    rows are lost with an executor."""
+    resume = "resume=True (spark-train --resume)"
 
     def __init__(self, spark: Any, frame: Any, config: TrainConfig, code: dict[str, bytes]) -> None:
-        self.spark, self.frame, self.config, self.code = spark, frame, config, code
+        super().__init__(config)
+        self.spark, self.frame, self.code = spark, frame, code
         self.columns = frame.limit(0).toPandas()
-        self.checkpoint = config.output / CHECKPOINT
-        self.found = _stamp(self.checkpoint)  # an earlier run's checkpoint is not this job's
 
-    def once(self, num_proc: int) -> list[Any]:
-        """The stage's rows, by rank; RunFailed when a rank was lost."""
-        try:
-            return self._stage(self.config, num_proc)
-        except RankLost as lost:
-            raise RunFailed(f"{lost}; {self._ends()}") from lost
-
-    def going_on(self, num_proc: int) -> list[Any]:
-        """As `once`, but after a lost rank the job goes on by itself (up to max_restarts
-        times), with as many ranks as there are task slots, at most `num_proc`."""
-        config, ranks, most, restart = self.config, num_proc, self.config.max_restarts, 0
-        while True:
-            try:
-                return self._stage(config, ranks)
-            except RankLost as lost:
-                restart += 1
-                if restart > most:
-                    raise RunFailed(
-                        f"{lost} after {most} restart(s) (max_restarts, --max-restarts); "
-                        f"{self._ends()}"
-                    ) from lost
-                saved = self._saved_epoch()
-                if saved:
-                    config = replace(self.config, resume=True, overwrite=False)
-                ranks = min(num_proc, self._slots_again(num_proc, lost))
-                start = f"from epoch {saved}'s checkpoint" if saved else self._first_start()
-                say(
-                    f"hvd-cpu: {lost}; going on (elastic, restart {restart} of at most "
-                    f"{most}) on {ranks} ranks, {start}",
-                    sys.stderr,
-                )
-
-    def _slots_again(self, wanted: int, lost: RankLost) -> int:
+    def _room_after(self, wanted: int, lost: RankLost) -> int:
         """The task slots once the cluster has had time to replace a lost executor."""
-        slots = cluster.task_slots(self.spark, wanted, until=time.time() + REPLACE_SECONDS)
-        if slots < 1:
-            raise RunFailed(f"{lost}, and no task slot is left; {self._ends()}")
-        return slots
+        return cluster.task_slots(self.spark, wanted, until=time.time() + REPLACE_SECONDS)
 
-    def _stage(self, config: TrainConfig, num_proc: int) -> list[Any]:
+    def _run(self, config: TrainConfig, num_proc: int) -> list[Any]:
         """One barrier stage of `num_proc` tasks; its rows, by rank."""
         frame = self.frame
         if frame.rdd.getNumPartitions() != num_proc:
@@ -147,61 +104,21 @@ class Training:
                 raise RankLost(f"a Spark task of the job failed ({_reason(exc)})") from exc
             finally:
                 context.setJobDescription(None)
-        if not any(row.outcome is not None or row.failure is not None for row in rows):
-            raise RankLost(_killed(rows))  # no rank had its say: one was ended from outside
+        if not had_their_say(rows):
+            raise RankLost(first_killed(rows))
         return sorted(rows, key=lambda row: row.rank)
-
-    def _saved_epoch(self) -> int | None:
-        """The epoch of this job's last checkpoint, if it wrote one."""
-        if _stamp(self.checkpoint) in (None, self.found):
-            return None
-        return int(Checkpoint.load(self.checkpoint).loop["epoch"])
-
-    def _first_start(self) -> str:
-        """Where the job starts again when it wrote no checkpoint: where it started."""
-        return "from the checkpoint it resumed" if self.config.resume else "from the start"
-
-    def _ends(self) -> str:
-        """What the run left to resume from, for the line that ends it."""
-        resume = "run it again with resume=True (spark-train --resume)"
-        return job_ends(self.config.output, self._saved_epoch(), resume)
-
-
-def _stamp(path: Path) -> tuple[int, int] | None:
-    """What tells one writing of a file from another: its change time and size."""
-    try:
-        status = path.stat()
-    except FileNotFoundError:
-        return None
-    return status.st_mtime_ns, status.st_size
-
-
-def _killed(rows: list[Any]) -> str:
-    """Which rank's process ended first (by a signal, before the others that then lost it)."""
-    first = min(rows, key=lambda row: (row.code >= 0, row.rank))
-    how = f"killed by signal {-first.code}" if first.code < 0 else f"exit code {first.code}"
-    return f"rank {first.rank}'s process ended ({how})"
 
 
 def _reason(exc: Exception) -> str:
-    """Spark's reason for ending a stage, on one line."""
+    """Spark's reason for ending a stage, on one line; a Python worker's with the line its
+    traceback ends with (what was raised), which Spark's first lines leave out."""
     java = getattr(exc, "java_exception", None)  # py4j's; pyspark's own say it in str()
     text = str(java.getMessage()) if java is not None else str(exc)
     text = text.partition("Most recent failure reason:")[2] or text
-    return " ".join(" ".join(text.split("\n")[:2]).split())
-
-
-def _result(rows: list[Any]) -> Any:
-    """Rank 0's TrainResult, or what the ranks raised."""
-    for row in rows:
-        if row.failure is not None:
-            raise failure_from(row.failure)
-    for row in rows:
-        if row.outcome is not None:
-            kind, value = cloudpickle.loads(row.outcome)
-            if kind == "error":
-                raise value
-            if value is not None:
-                return cloudpickle.loads(value)
-    codes = ", ".join(f"rank {row.rank}: {row.code}" for row in rows if row.code)
-    raise RunFailed(f"the job ended without a model (exit codes {codes or 'none'}); see above")
+    before, traceback, after = text.partition("Traceback (most recent call last):")
+    if not traceback:
+        return " ".join(" ".join(text.split("\n")[:2]).split())
+    python = after.split("\n\tat ")[0].split("\n")  # the Python part, before Java's frames
+    raised = [line for line in python if line.strip() and not line[0].isspace()]
+    said = " ".join(before.split())
+    return f"{said} {raised[-1].strip()}" if raised else said
