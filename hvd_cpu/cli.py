@@ -98,15 +98,56 @@ def spark_train(master: str, num_proc: int | None, **options: Any) -> None:
     command (no horovodrun), where the Spark driver runs. OUTPUT is written by rank 0's
     executor: a path it and this machine share. --elastic: after a lost executor the job
     starts again by itself from its last checkpoint."""
-    from hvd_cpu.runtime.failure import RankTraceback
     from hvd_cpu.spark import fit
+
+    _cluster_train(fit, options, num_proc, master=master)
+
+
+@cli.command("ray-train")
+@click.option(
+    "--address",
+    help="The Ray cluster's address (the head's HOST:6379; default: RAY_ADDRESS, else a Ray "
+    "started on this machine).",
+)
+@click.option(
+    "--np",
+    "num_proc",
+    type=click.IntRange(min=1),
+    help="Ranks, each a Ray actor with one CPU (default: one per CPU of the cluster).",
+)
+@click.option(
+    "--placement",
+    type=click.Choice(["pack", "spread"]),
+    default="pack",
+    show_default=True,
+    help="pack: the ranks on as few nodes as they fit (a node's share memory); spread: over "
+    "as many nodes as there are.",
+)
+@config_option
+@train_options()
+def ray_train(address: str | None, num_proc: int | None, placement: str, **options: Any) -> None:
+    """Train on a Ray cluster's CPUs (pip install 'hvd-cpu[ray]'): --data is parquet every node
+    reads, each rank a Ray actor on its own block of it; run it as a plain command (no
+    horovodrun), where a Ray driver may run. OUTPUT is written by rank 0's node: a path it and
+    this machine share. --elastic: after a lost node the job starts again by itself from its
+    last checkpoint."""
+    from hvd_cpu.ray import fit
+
+    _cluster_train(fit, options, num_proc, address=address, placement=placement)
+
+
+def _cluster_train(
+    fit: Callable[..., Any], options: dict[str, Any], num_proc: int | None, **where: Any
+) -> None:
+    """spark-train's and ray-train's run of their engine's fit on --data."""
+    from hvd_cpu.runtime.failure import RankTraceback
 
     data = options.pop("data")
     if data is None:
         raise InputError("name the parquet file or folder to train on with --data")
     targets, model, loss = options.pop("targets"), options.pop("model"), options.pop("loss")
     try:
-        fit(str(data), targets, num_proc, model, loss, master=master, **options)
+        fit(str(data), targets, num_proc, model, loss, **where, **options)
     except (InputError, RunFailed):
         raise
     except Exception as exc:

@@ -12,8 +12,8 @@ import pytest
 from .jobs import REPO
 
 # Bottom first. The floor: one-line errors, how a line is printed, whole-file writes, every
-# option. Then the job (runtime), then the data flow: data -> model -> output -> training, and
-# on top the commands.
+# option. Then the job (runtime), then the data flow: data -> model -> output -> training, what
+# the cluster engines share, and on top the commands.
 ROOMS = [
     {"errors", "lines", "atomic", "config"},
     {"runtime"},
@@ -21,7 +21,8 @@ ROOMS = [
     {"model"},
     {"output"},
     {"training"},
-    {"tools", "api", "cli", "spark", "horovod_build", "__init__"},
+    {"clusters"},
+    {"tools", "api", "cli", "spark", "ray", "horovod_build", "__init__"},
 ]
 LEVEL = {room: level for level, rooms in enumerate(ROOMS) for room in rooms}
 # The loop's state and epoch metrics import nothing of hvd-cpu; output reads them.
