@@ -175,10 +175,20 @@ def predict(
     writes them. `model`: the class or function the run was trained with, when it was
     defined in a notebook or script (its model.pt names it `__main__:Name`). `trust_code`:
     run the code a model.pt names although no training of yours sealed it (`--trust-code`)."""
+    trained, transform = trained_model(run, model, trust_code)
+    return FitResult(trained, pd.DataFrame(), transform, Path(run)).predict(data, id_column)
+
+
+def trained_model(
+    run: FitResult | str | Path, model: Any = None, trust_code: bool = False
+) -> tuple[nn.Module, FeatureTransform]:
+    """The model and features of what fit() returned, or of a run's folder (or its model.pt);
+    `model` and `trust_code` as for predict()."""
+    if isinstance(run, FitResult):
+        return run.model, run.transform
     code = {user_code.label_of(model, "model"): model} if model is not None else {}
     with user_code.provided(code):
-        trained, transform = load_model(Path(run), trust_code)
-    return FitResult(trained, pd.DataFrame(), transform, Path(run)).predict(data, id_column)
+        return load_model(Path(run), trust_code)
 
 
 def benchmark(

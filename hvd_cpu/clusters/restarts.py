@@ -51,7 +51,7 @@ class Restarts:
         try:
             return self._run(self.config, num_proc)
         except RankLost as lost:
-            raise RunFailed(f"{lost}; {self.ends()}") from lost
+            raise RunFailed(f"{lost}; {self._left()}") from lost
 
     def going_on(self, num_proc: int) -> list[Any]:
         """As `once`, but after a lost rank the job goes on by itself (up to max_restarts
@@ -65,14 +65,14 @@ class Restarts:
                 if restart > most:
                     raise RunFailed(
                         f"{lost} after {most} restart(s) (max_restarts, --max-restarts); "
-                        f"{self.ends()}"
+                        f"{self._left()}"
                     ) from lost
                 saved = self._saved_epoch()
                 if saved:
                     config = replace(self.config, resume=True, overwrite=False)
                 ranks = self._room_after(num_proc, lost)
                 if ranks < 1:
-                    ended = f"{lost}, and the cluster has no room left; {self.ends()}"
+                    ended = f"{lost}, and the cluster has no room left; {self._left()}"
                     raise RunFailed(ended) from lost
                 ranks = min(num_proc, ranks)
                 start = f"from epoch {saved}'s checkpoint" if saved else self._first_start()
@@ -92,7 +92,7 @@ class Restarts:
         """Where the job starts again when it wrote no checkpoint: where it started."""
         return "from the checkpoint it resumed" if self.config.resume else "from the start"
 
-    def ends(self) -> str:
+    def _left(self) -> str:
         """What the run left to resume from, for the line that ends it."""
         return job_ends(self.config.output, self._saved_epoch(), f"run it again with {self.resume}")
 

@@ -11,8 +11,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pandas as pd
 import psutil
@@ -68,6 +69,26 @@ def _start(folder: str, env: dict[str, str], link: Link | None) -> int:
         for copy in copies:
             copy.join()
     return code
+
+
+def import_check(names: tuple[str, ...]) -> Callable[..., tuple[str, list[str]]]:
+    """A function that says which Python runs it and what of `names` that Python cannot import
+    (with why). Nested, so that Spark and Ray ship it by value: a worker whose Python lacks
+    hvd-cpu runs it too."""
+
+    def check(*_: Any) -> tuple[str, list[str]]:
+        import importlib
+        import sys as system
+
+        missing = []
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:
+                missing.append(f"{name} ({type(exc).__name__}: {exc})")
+        return system.executable, missing
+
+    return check
 
 
 def address_towards(host: str) -> str:

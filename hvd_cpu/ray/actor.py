@@ -9,13 +9,11 @@ cluster cannot reach). Each actor then starts its rank as a process of its own
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hvd_cpu.clusters.relay import Link
-from hvd_cpu.clusters.worker import RankEnd, interface_of, run_rank
+from hvd_cpu.clusters.worker import RankEnd, import_check, interface_of, run_rank
 
 if TYPE_CHECKING:  # Horovod itself is imported by the actors only
     from hvd_cpu.runtime.horovod import Slot
@@ -35,13 +33,8 @@ class RankActor:
         Python, and what of a rank's needs that Python cannot import (with why)."""
         import ray
 
-        missing = []
-        for name in RANK_NEEDS:
-            try:
-                importlib.import_module(name)
-            except Exception as exc:
-                missing.append(f"{name} ({type(exc).__name__}: {exc})")
-        return ray.util.get_node_ip_address(), sys.executable, missing
+        python, missing = import_check(RANK_NEEDS)()
+        return ray.util.get_node_ip_address(), python, missing
 
     def serve(self, hosts: list[tuple[str, int]], key: bytes, address: str) -> int:
         """Rank 0's actor: hold the rendezvous of the ranks of `hosts` on `address`; its port."""

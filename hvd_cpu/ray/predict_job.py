@@ -8,11 +8,10 @@ from typing import Any
 
 import pandas as pd
 
-from hvd_cpu.api import FitResult
+from hvd_cpu.api import FitResult, trained_model
 from hvd_cpu.errors import InputError
-from hvd_cpu.model import user_code
 from hvd_cpu.ray import cluster
-from hvd_cpu.tools.predict import check_columns, load_model, predictions
+from hvd_cpu.tools.predict import check_columns, predictions
 
 
 def predict(
@@ -31,12 +30,7 @@ def predict(
     cluster.require_ray()
     cluster.connect(address)
     dataset = cluster.dataset_of(data)
-    if isinstance(run, FitResult):
-        trained, transform = run.model, run.transform
-    else:
-        code = {user_code.label_of(model, "model"): model} if model is not None else {}
-        with user_code.provided(code):
-            trained, transform = load_model(Path(run))
+    trained, transform = trained_model(run, model)
     sample = dataset.limit(1).to_pandas()
     check_columns(sample, transform, id_column)
     if sample.empty:

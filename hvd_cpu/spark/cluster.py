@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from hvd_cpu.clusters.worker import import_check
 from hvd_cpu.errors import InputError
 
 SPARK_EXTRA = "pip install 'hvd-cpu[spark]'"
@@ -124,25 +125,11 @@ def check_local_slots(master: str, num_proc: int | None) -> None:
 
 def check_executors(spark: Any, slots: int) -> None:
     """The executors' Python can run a rank: it is PYSPARK_PYTHON's (Spark's default: the
-    first python3 on the executors' PATH), which need not be this one. One small Spark job,
-    whose function is shipped by value (it imports nothing of hvd-cpu to be unpickled)."""
-    needs = RANK_NEEDS
-
-    def probe(_: Any) -> Any:
-        import importlib
-        import sys as system
-
-        missing = []
-        for name in needs:
-            try:
-                importlib.import_module(name)
-            except Exception as exc:
-                missing.append(f"{name} ({type(exc).__name__}: {exc})")
-        return [(system.executable, missing)]
-
+    first python3 on the executors' PATH), which need not be this one. One small Spark job."""
+    check = import_check(RANK_NEEDS)
     context = spark.sparkContext
-    answers = context.parallelize(range(slots), slots).mapPartitions(probe).collect()
-    for python, missing in answers:
+    probes = context.parallelize(range(slots), slots).mapPartitions(lambda _: [check()])
+    for python, missing in probes.collect():
         if missing:
             raise InputError(
                 f"Spark's executors run {python}, which cannot import {'; '.join(missing)}: "

@@ -9,11 +9,10 @@ from typing import Any
 
 import pandas as pd
 
-from hvd_cpu.api import FitResult
+from hvd_cpu.api import FitResult, trained_model
 from hvd_cpu.errors import InputError
-from hvd_cpu.model import user_code
 from hvd_cpu.spark import cluster
-from hvd_cpu.tools.predict import check_columns, load_model, predictions
+from hvd_cpu.tools.predict import check_columns, predictions
 
 
 def predict(
@@ -29,12 +28,7 @@ def predict(
     or script, as for hvd_cpu.predict."""
     cluster.require_spark()
     frame = cluster.frame_of(data, cluster.session_of(data))
-    if isinstance(run, FitResult):
-        trained, transform = run.model, run.transform
-    else:
-        code = {user_code.label_of(model, "model"): model} if model is not None else {}
-        with user_code.provided(code):
-            trained, transform = load_model(Path(run))
+    trained, transform = trained_model(run, model)
     sample = frame.limit(1).toPandas()
     check_columns(sample, transform, id_column)
     if sample.empty:
