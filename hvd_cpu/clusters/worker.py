@@ -33,16 +33,16 @@ class RankEnd(NamedTuple):
 
 
 def run_rank(
-    rank: int, job: bytes, own: pd.DataFrame, env: dict[str, str], link: Link | None
+    rank: int, job: bytes, own: list[pd.DataFrame], env: dict[str, str], link: Link | None
 ) -> RankEnd:
-    """Run rank `rank` of `job` (config and the user's code, pickled) on `own` rows in a
-    process with `env` (Horovod's, from runtime/horovod.py's gloo_environment) and wait for it.
-    The rows are written for it and let go here. Its output goes through `link`, or (None) to
-    this process's own stdout and stderr."""
+    """Run rank `rank` of `job` (config and the user's code, pickled) on the rows `own` holds
+    in a process with `env` (Horovod's, from runtime/horovod.py's gloo_environment) and wait
+    for it. The rows are written for it and let go: `own` is emptied, so that no caller's frame
+    keeps them while the rank trains. Its output goes through `link`, or (None) to this
+    process's own stdout and stderr."""
     with tempfile.TemporaryDirectory(prefix="hvd-cpu-rank-") as folder:
         (Path(folder) / "job.pkl").write_bytes(job)
-        own.to_pickle(Path(folder) / "rows.pkl")
-        del own
+        own.pop().to_pickle(Path(folder) / "rows.pkl")
         code = _start(folder, env, link)
         outcome = Path(folder) / "outcome.pkl"
         return RankEnd(

@@ -61,7 +61,7 @@ class RankActor:
         env = horovod.gloo_environment(slot, *rendezvous, interface_of(address), key)
         link = Link(relay, key) if relay else None
         try:
-            return run_rank(slot.rank, job, block.to_pandas(), env, link)
+            return run_rank(slot.rank, job, [block.to_pandas()], env, link)
         finally:
             if link:
                 link.close()

@@ -41,13 +41,13 @@ def rank_task(
         link = Link(driver, key)
         try:
             address = address_towards(driver[0])
-            # The partition's rows, held by _run_rank alone: it lets go once they are written.
+            # The partition's rows, in a list run_rank empties: it lets go once they are written.
             yield _run_rank(
                 context,
                 partition,
                 address,
                 job,
-                pd.concat([columns, *batches], ignore_index=True),
+                [pd.concat([columns, *batches], ignore_index=True)],
                 link,
                 key,
             )
@@ -62,7 +62,7 @@ def _run_rank(
     partition: int,
     address: str,
     job: bytes,
-    own: pd.DataFrame,
+    own: list[pd.DataFrame],
     link: Link,
     key: bytes,
 ) -> pd.DataFrame:
