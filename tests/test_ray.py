@@ -186,12 +186,13 @@ def _node_lost_while_training(
     cluster: RayCluster, output: Path, replaced: bool, job: Callable[[], Any]
 ) -> Any:
     """What `job` returns (or raises), run in a thread while this one removes the worker node
-    (its raylet and workers killed) once the job has written its first epoch, and (`replaced`)
-    then starts another, as a cluster replaces a node (Ray starts nodes from the main thread)."""
+    (its raylet and workers killed) once the job has written its first checkpoint, and
+    (`replaced`) then starts another, as a cluster replaces a node (Ray starts nodes from the
+    main thread)."""
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(job)
         deadline = time.monotonic() + 120
-        while not (output / "metrics.jsonl").exists() and time.monotonic() < deadline:
+        while not (output / "checkpoint.pt").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         cluster.cluster.remove_node(cluster.worker, allow_graceful=False)
         if replaced:

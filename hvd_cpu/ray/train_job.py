@@ -212,7 +212,7 @@ def _ends(runs: list[Any], addresses: list[str]) -> list[Any]:
 
 
 def _reason(exc: Exception) -> str:
-    """Ray's reason for a lost actor, on one line."""
+    """Ray's reason for a lost actor: its first sentence."""
     text = str(getattr(exc, "cause", None) or exc)
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
-    return first[:300]
+    return first.split(". ")[0].rstrip(".")
