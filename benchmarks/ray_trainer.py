@@ -8,18 +8,19 @@ medians.
 
 Measured for each: the wall seconds from the call to its return; the training samples/s
 (epochs' samples over their seconds, rank 0's clock); the training seconds until an epoch's
-training loss reaches TorchTrainer's last one ("time to loss"); and the start (wall minus
+training loss reaches the higher of the two last ones ("time to loss"); and the start (wall minus
 training seconds: actors or Ray Train's worker group, the rendezvous, the processes'
 imports). The target is standardised first, so that both losses are on one scale (hvd-cpu
 standardises it itself; its 10 % hold-out means it trains on 90 % of the rows an epoch).
 
 Usage (from the repository, after launch/install.sh --test, which installs Ray):
-    .venv/bin/python benchmarks/ray.py [--rounds 2] [--rows 100000] [--epochs 3]
+    .venv/bin/python benchmarks/ray_trainer.py [--rounds 2] [--rows 100000] [--epochs 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -41,6 +42,7 @@ BATCH = 64
 
 def ddp_loop(config: dict[str, Any]) -> None:
     """What a Ray Train user writes for the seed's MLP (each of TorchTrainer's workers)."""
+    import json
     import time
 
     import ray.train
@@ -68,11 +70,13 @@ def ddp_loop(config: dict[str, Any]) -> None:
             total += loss.item() * len(y)
             samples += len(y)
         seconds = time.perf_counter() - started
-        ranks = ray.train.get_context().get_world_size()  # hvd-cpu counts every rank's samples
-        ray.train.report(
-            {"epoch": epoch + 1, "train_loss": total / samples, "samples": samples * ranks,
-             "seconds": seconds}
-        )  # fmt: skip
+        context = ray.train.get_context()
+        record = {"epoch": epoch + 1, "train_loss": total / samples, "seconds": seconds,
+                  "samples": samples * context.get_world_size()}  # fmt: skip
+        ray.train.report(record)
+        if context.get_world_rank() == 0:  # Ray Train 2's Result keeps the last report only
+            with open(config["record"], "a") as epochs:
+                epochs.write(json.dumps(record) + "\n")
 
 
 def torch_trainer(dataset: Any, features: list[str], epochs: int, folder: Path) -> list[dict]:
@@ -80,14 +84,17 @@ def torch_trainer(dataset: Any, features: list[str], epochs: int, folder: Path) 
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    record = folder / "epochs.jsonl"
+    record.unlink(missing_ok=True)
     trainer = TorchTrainer(
         ddp_loop,
-        train_loop_config={"features": features, "epochs": epochs},
+        train_loop_config={"features": features, "epochs": epochs, "record": str(record)},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
         datasets={"train": dataset},
         run_config=RunConfig(storage_path=str(folder), name="torch-trainer"),
     )
-    return trainer.fit().metrics_dataframe.to_dict("records")
+    trainer.fit()
+    return [json.loads(line) for line in record.read_text().splitlines()]
 
 
 def time_to(loss: float, epochs: list[dict]) -> float | None:
@@ -138,10 +145,11 @@ def main() -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    target = statistics.median(epochs[-1]["train_loss"] for epochs in runs["TorchTrainer"])
+    # The loss both reach: the higher of the two last training losses (medians).
+    target = max(statistics.median(r[-1]["train_loss"] for r in runs[name]) for name in names)
     print(f"{args.rows} rows, 16 features, 2 ranks, {args.epochs} epochs, {args.rounds} rounds")
     print(f"Ray cluster start (head + 1 node): {ray_start:.1f} s")
-    print(f"time to loss: to TorchTrainer's last training loss, {target:.4f}")
+    print(f"time to loss: to the higher of the two last training losses, {target:.4f}")
     for name in names:
         speeds = [sum(e["samples"] for e in r) / sum(e["seconds"] for e in r) for r in runs[name]]
         trained = [sum(e["seconds"] for e in r) for r in runs[name]]
