@@ -360,3 +360,26 @@ def test_command_line_trains_and_resumes(spark: Any, tmp_path: Path) -> None:
         more = run([*words, "--epochs", "4", "--resume"])
         assert more.returncode == 0, more.stderr
         assert "Epoch 4:" in more.stdout and "Epoch 2:" not in more.stdout
+
+
+def test_a_task_s_python_failure_names_what_was_raised() -> None:
+    """Spark's message for a barrier stage whose Python worker failed (as pyspark 4.3 words it,
+    its JVM frames after the Python traceback): the reason keeps the line the traceback ends
+    with, which its first two lines leave out."""
+    from hvd_cpu.spark.train_job import _reason
+
+    said = _reason(
+        Exception(
+            "Job aborted due to stage failure: Could not recover from a failed barrier "
+            "ResultStage. Most recent failure reason: Stage failed because barrier task "
+            "ResultTask(0, 1) finished unsuccessfully.\n"
+            "org.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"
+            '  File "/usr/lib/python3/dist-packages/pyspark/worker.py", line 5, in main\n'
+            "    import pandas\n"
+            "ModuleNotFoundError: No module named 'pandas'\n\n"
+            "\tat org.apache.spark.api.python.BasePythonRunner.handlePythonException(x.scala:1)\n"
+            "\tat org.apache.spark.scheduler.Task.run(Task.scala:147)"
+        )
+    )
+    assert said.endswith("PythonException: ModuleNotFoundError: No module named 'pandas'"), said
+    assert "\n" not in said and "Traceback" not in said
