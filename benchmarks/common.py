@@ -154,3 +154,13 @@ def median_seconds(call: Callable[[], object], repeats: int, warm_up: int = 0) -
         call()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def time_to_loss(epochs: list[dict], threshold: float, loss: str = "val_loss") -> float | None:
+    """Training seconds until an epoch's `loss` is at most `threshold` (None: never)."""
+    elapsed = 0.0
+    for epoch in epochs:
+        elapsed += epoch["seconds"]
+        if epoch[loss] <= threshold:
+            return elapsed
+    return None

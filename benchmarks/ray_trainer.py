@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import make_frame
+from common import make_frame, time_to_loss
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -97,16 +97,6 @@ def torch_trainer(dataset: Any, features: list[str], epochs: int, folder: Path) 
     return [json.loads(line) for line in record.read_text().splitlines()]
 
 
-def time_to(loss: float, epochs: list[dict]) -> float | None:
-    """Training seconds until an epoch's training loss is at most `loss`."""
-    spent = 0.0
-    for epoch in epochs:
-        spent += epoch["seconds"]
-        if epoch["train_loss"] <= loss:
-            return spent
-    return None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=2)
@@ -154,7 +144,7 @@ def main() -> None:
         speeds = [sum(e["samples"] for e in r) / sum(e["seconds"] for e in r) for r in runs[name]]
         trained = [sum(e["seconds"] for e in r) for r in runs[name]]
         starts = [wall - seconds for wall, seconds in zip(walls[name], trained, strict=True)]
-        reached = [time_to(target, r) for r in runs[name]]
+        reached = [time_to_loss(r, target, "train_loss") for r in runs[name]]
         reach = [t for t in reached if t is not None]
         print(
             f"{name:16} wall {statistics.median(walls[name]):5.1f} s   start "

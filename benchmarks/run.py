@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import flights_frame, make_frame
+from common import flights_frame, make_frame, time_to_loss
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -126,15 +126,6 @@ def run_one(contender: Contender, frame: Path, out: Path) -> dict:
         result["epochs"] = [json.loads(line) for line in epochs_file.read_text().splitlines()]
         result["launch_seconds"] = result["epochs"][0].pop("first_step_unix") - launched
     return result
-
-
-def time_to_loss(epochs: list[dict], threshold: float) -> float | None:
-    elapsed = 0.0
-    for epoch in epochs:
-        elapsed += epoch["seconds"]
-        if epoch["val_loss"] <= threshold:
-            return elapsed
-    return None
 
 
 def summarise(contender: Contender, result: dict, threshold: float) -> dict:
