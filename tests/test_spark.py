@@ -194,8 +194,8 @@ def test_command_line_bad_input(tmp_path: Path) -> None:
 def test_executors_whose_python_cannot_run_a_rank_are_named(tmp_path: Path) -> None:
     """A user's own session (local[2]) from a script run with this environment's Python,
     PYSPARK_PYTHON unset: the executors run the first python3 on the PATH, here the machine's,
-    without pandas or hvd-cpu. One line says which Python they run, what it lacks and how to
-    point them at this one, before any rank starts."""
+    without torch (nor, here, pandas). One line says which Python they run, what it lacks
+    and how to point them at this one, before any rank starts."""
     script = (
         "import sys\n"
         "from pyspark.sql import SparkSession\n"
@@ -218,7 +218,8 @@ def test_executors_whose_python_cannot_run_a_rank_are_named(tmp_path: Path) -> N
     assert done.returncode == 0, done.stderr[-3000:]
     said = done.stdout.strip().splitlines()
     assert len(said) == 1, done.stdout
-    assert "Spark's executors run /usr/bin/python3, which cannot import pandas" in said[0]
+    assert "Spark's executors run /usr/bin/python3, which cannot import " in said[0]
+    assert "torch (ModuleNotFoundError: No module named 'torch')" in said[0]
     assert f"set PYSPARK_PYTHON={sys.executable}" in said[0]
     assert not (tmp_path / "out").exists()
 
