@@ -150,6 +150,27 @@ def user_config(
     return TrainConfig(targets=targets, **options), code
 
 
+def cluster_config(
+    data: Any,
+    target: str | tuple[str, ...],
+    num_proc: int | None,
+    model: Any,
+    loss: Any,
+    options: dict[str, Any],
+    not_a_path: Path,
+) -> tuple[TrainConfig, dict[str, tuple[str, Any]], bool]:
+    """A cluster engine's fit() arguments (hvd_cpu.spark's, hvd_cpu.ray's) as user_config's
+    pair, and whether the job is elastic. Each rank trains on its own rows, as --shard-read
+    ranks do; data that is no path is recorded as `not_a_path`; the output folder is absolute,
+    as the workers do not share this process's working folder."""
+    if num_proc is not None and num_proc < 1:
+        raise InputError(f"num_proc must be at least 1, got {num_proc}")
+    elastic = bool(options.pop("elastic", False))
+    where = Path(data) if isinstance(data, (str, Path)) else not_a_path
+    config, code = user_config(target, model, loss, {**options, "data": where, "shard_read": True})
+    return replace(config, output=Path(config.output).absolute()), code, elastic
+
+
 def shipped_code(config: TrainConfig, code: dict[str, tuple[str, Any]]) -> dict[str, bytes]:
     """The user's objects as the ranks receive them (user_code.receive). A model named by
     "module:Name" or "file.py:Name" is imported here first: its trained class comes back by

@@ -16,13 +16,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
-from hvd_cpu.api import FitResult, fit_result, shipped_code, user_config
+from hvd_cpu.api import FitResult, cluster_config, fit_result, shipped_code
 from hvd_cpu.clusters.relay import Relay
 from hvd_cpu.clusters.restarts import RankLost, Restarts, first_killed, had_their_say, result_of
 from hvd_cpu.config.options import TrainConfig
@@ -67,15 +66,9 @@ def fit(
     on by itself instead, up to `max_restarts` times.
     """
     cluster.require_ray()
-    if num_proc is not None and num_proc < 1:
-        raise InputError(f"num_proc must be at least 1, got {num_proc}")
+    config, code, elastic = cluster_config(data, target, num_proc, model, loss, options, DATASET)
     if placement not in PLACEMENTS:
         raise InputError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
-    elastic = bool(options.pop("elastic", False))
-    # Each rank trains on its own rows, as --shard-read ranks do.
-    where = Path(data) if isinstance(data, (str, Path)) else DATASET
-    config, code = user_config(target, model, loss, {**options, "data": where, "shard_read": True})
-    config = replace(config, output=Path(config.output).absolute())
     cluster.connect(address)
     num_proc = num_proc or cluster.cpus()
     cluster.check_cpus(num_proc)

@@ -11,17 +11,15 @@ the job's last checkpoint, on the executors there are then (clusters/restarts.py
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
-from hvd_cpu.api import FitResult, fit_result, shipped_code, user_config
+from hvd_cpu.api import FitResult, cluster_config, fit_result, shipped_code
 from hvd_cpu.clusters.relay import Relay
 from hvd_cpu.clusters.restarts import RankLost, Restarts, first_killed, had_their_say, result_of
 from hvd_cpu.config.options import TrainConfig
-from hvd_cpu.errors import InputError
 from hvd_cpu.runtime import secret
 from hvd_cpu.spark import cluster
 from hvd_cpu.spark.task import OUTCOME_SCHEMA, rank_task
@@ -52,13 +50,7 @@ def fit(
     elastic=True the job goes on by itself instead, up to `max_restarts` times.
     """
     cluster.require_spark()
-    if num_proc is not None and num_proc < 1:
-        raise InputError(f"num_proc must be at least 1, got {num_proc}")
-    elastic = bool(options.pop("elastic", False))
-    # Each rank trains on its own rows, as --shard-read ranks do.
-    where = Path(data) if isinstance(data, (str, Path)) else DATAFRAME
-    config, code = user_config(target, model, loss, {**options, "data": where, "shard_read": True})
-    config = replace(config, output=Path(config.output).absolute())
+    config, code, elastic = cluster_config(data, target, num_proc, model, loss, options, DATAFRAME)
     if master:
         cluster.check_local_slots(master, num_proc)
     spark = cluster.session(master, "hvd-cpu") if master else cluster.session_of(data)
