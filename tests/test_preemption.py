@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
+from horovod.runner.common.util import safe_shell_exec
 
 from hvd_cpu.output.model_files import CHECKPOINT, load
 
@@ -120,6 +122,19 @@ def test_a_sigterm_saves_the_step_it_stopped_at_and_the_retry_ends_as_if_never_s
     assert again.returncode == 0, again.stdout + again.stderr
     assert digests(output) == digests(uninterrupted)
     assert_same_history(output, uninterrupted)  # the stopped epoch's loss and rows: all of it
+
+
+def test_horovods_stop_of_a_worker_keeps_the_workers_exit_code() -> None:
+    """The worker-exit-codes patch: horovodrun's stop of a worker reaped the worker's shell in
+    a thread of its own, and the middleman's wait then read the shell's code as 0; the
+    launcher-alone SIGTERM above lost rank 0's 75 in 4 of 24 runs on a loaded machine. The
+    shell's child (the rank) ends on the SIGTERM, the shell with code 75."""
+    shell = subprocess.Popen(["/bin/sh", "-c", "sleep 60; exit 75"])
+    deadline = time.monotonic() + 10
+    while not psutil.Process(shell.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    safe_shell_exec.terminate_executor_shell_and_children(shell.pid)
+    assert shell.wait(10) == 75
 
 
 def test_a_killed_launcher_run_again_goes_on_from_the_last_checkpoint(
