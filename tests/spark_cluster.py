@@ -84,7 +84,11 @@ class SparkCluster:
             # The executors import what the driver's code imports (this repository's tests),
             # as a real cluster's Python environment must.
             "PYTHONPATH": str(Path(__file__).parent.parent),
+            # Where its workers put their ranks' folders (clusters/worker.py): a rank's command
+            # line names it, so a test counts this cluster's ranks, and finds what they left.
+            "TMPDIR": str(folder / "ranks"),
         }
+        self.ranks = folder / "ranks"
 
     def _start(self, name: str, command: list[str], place: Host | None = None) -> None:
         log = (self.folder / f"{name}.log").open("wb")
@@ -101,7 +105,7 @@ class SparkCluster:
         )
 
     def __enter__(self) -> SparkCluster:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.ranks.mkdir(parents=True, exist_ok=True)
         spark_class = str(BIN / "spark-class")
         self._start(
             "master",

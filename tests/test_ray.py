@@ -5,8 +5,11 @@ node with and without elastic=True, and nothing left running."""
 
 from __future__ import annotations
 
+import glob
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,10 +31,12 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from hvd_cpu import ray as hvd_ray  # noqa: E402
 
 # Beside another test (launch/test.sh's first stage): the cluster's ports are Ray's free ones,
-# and the rank processes counted are this file's (RANK_PROCESS, under this file's tmp_path).
+# and the rank processes counted are this file's: their command lines name their folders,
+# which the workers make in this machine's temporary folder (the Spark tests' cluster gives
+# its workers a folder of its own).
 pytestmark = [pytest.mark.slow, pytest.mark.beside]
 RANKS = 2
-RANK_PROCESS = "hvd_cpu.clusters.rank"
+RANK_PROCESS = os.path.join(tempfile.gettempdir(), "hvd-cpu-rank-")
 OPTIONS = {"epochs": 3, "batch_size": 64, "seed": 3}
 
 
@@ -208,6 +213,7 @@ def test_a_lost_node_ends_the_job_in_one_line_or_elastic_goes_on(
     from its last checkpoint, on the node that replaced it, to the end."""
     frame = table(ROWS * 2)
     options = {"epochs": 40, "checkpoint_every": 1, "seed": 3}
+    folders_before = set(glob.glob(RANK_PROCESS + "*"))
     output = tmp_path / "once"
     with pytest.raises(RunFailed) as failed:
         _node_lost_while_training(
@@ -234,3 +240,5 @@ def test_a_lost_node_ends_the_job_in_one_line_or_elastic_goes_on(
     assert result.history["epoch"].tolist()[-1] == options["epochs"]
     assert processes_naming(RANK_PROCESS, grace=15) == []
     assert (output / "model.pt").exists()
+    # The killed node's workers could not remove their ranks' folders: their ranks did.
+    assert set(glob.glob(RANK_PROCESS + "*")) <= folders_before

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +44,10 @@ from tests.spark_cluster import (
 )
 
 # Beside another test, on one worker (launch/test.sh's first stage deals out whole files):
-# they share one cluster, and a test counts every Spark rank process of the machine
-# (RANK_PROCESS), so the Spark tests of other files run in the serial stage.
+# they share one cluster, whose rank processes they count (their command lines name the
+# cluster's folder for them, SparkCluster.ranks).
 pytestmark = [needs_spark, pytest.mark.beside]
 RANKS = 4
-RANK_PROCESS = "hvd_cpu.clusters.rank"  # what a rank process's command line names
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +248,9 @@ def test_a_rank_process_killed_under_elastic_goes_on(
     ranks (no task slot was lost)."""
     frame = spark.createDataFrame(table(40_000)).repartition(RANKS)
     output, killed = tmp_path / "killed", []
-    killer = threading.Thread(target=_kill_after, args=(output, 2, _kill_a_rank, killed))
+    killer = threading.Thread(
+        target=_kill_after, args=(output, 2, partial(_kill_a_rank, spark), killed)
+    )
     killer.start()
     capsys.readouterr()
     result = hvd_spark.fit(frame, num_proc=RANKS, output=output, epochs=8, elastic=True)
@@ -260,11 +262,18 @@ def test_a_rank_process_killed_under_elastic_goes_on(
         r"restart 1 of at most 3\) on 4 ranks, from epoch \d+'s checkpoint", said
     ), said  # fmt: skip
     assert result.history["epoch"].iloc[-1] == 8
-    assert not processes_naming(RANK_PROCESS, grace=30)
+    assert_no_rank_left(spark)
 
 
-def _kill_a_rank() -> int:
-    pid = processes_naming(RANK_PROCESS)[-1]
+def assert_no_rank_left(spark: Any) -> None:
+    """No rank process of the cluster's, and nothing in the folder of a worker killed under
+    its rank (its rank read the job, the user's code and rows, and removed them)."""
+    assert not processes_naming(spark.cluster.ranks, grace=30)
+    assert not list(spark.cluster.ranks.glob("hvd-cpu-rank-*/*"))
+
+
+def _kill_a_rank(spark: Any) -> int:
+    pid = processes_naming(spark.cluster.ranks)[-1]
     os.kill(pid, signal.SIGKILL)
     return pid
 
@@ -281,7 +290,7 @@ def test_rank_failure_and_lost_executor(
     with pytest.raises(ValueError, match="rank 1's model broke") as failed:
         hvd_spark.fit(frame, num_proc=RANKS, model=Breaks, output=tmp_path / "broke", epochs=2)
     assert isinstance(failed.value.__cause__, RankTraceback)
-    assert not processes_naming(RANK_PROCESS)
+    assert_no_rank_left(spark)
 
     output, killed = tmp_path / "lost", []
     args = (output, 2, spark.cluster.kill_executor, killed)
@@ -291,7 +300,7 @@ def test_rank_failure_and_lost_executor(
         hvd_spark.fit(frame, num_proc=RANKS, output=output, epochs=40)
     killer.join()
     assert killed, "no executor was killed"
-    assert not processes_naming(RANK_PROCESS, grace=30)
+    assert_no_rank_left(spark)
     while spark.cluster.alive_workers() < 2 or cluster.task_slots(spark, RANKS) < RANKS:
         time.sleep(0.5)  # the worker starts the application a new executor
 
@@ -315,7 +324,11 @@ def test_rank_failure_and_lost_executor(
     assert going_on, said
     assert int(going_on.group(1)) >= epochs + 2
     assert resumed.history["epoch"].iloc[-1] == epochs + 8
-    assert not processes_naming(RANK_PROCESS, grace=30)
+    assert_no_rank_left(spark)
+    # The folders of workers killed under their ranks (some runs leave none), which nobody
+    # else removes: the next job's workers do.
+    hvd_spark.fit(frame, num_proc=2, output=tmp_path / "next", epochs=1)
+    assert not list(spark.cluster.ranks.glob("hvd-cpu-rank-*"))
 
 
 def _kill_after(output: Path, epochs: int, kill: Callable[[], int], killed: list[int]) -> None:

@@ -25,7 +25,8 @@ def main(folder: Path) -> None:
     end_with_parent()  # a worker killed (by Spark, by Ray) takes its rank with it
     config, shipped = cloudpickle.loads((folder / "job.pkl").read_bytes())
     own = pd.read_pickle(folder / "rows.pkl")
-    (folder / "rows.pkl").unlink()
+    for read in ("job.pkl", "rows.pkl"):  # the user's code and rows: not left on a disk
+        (folder / read).unlink()
     outcome: tuple[str, Any]
     try:
         user_code.receive(shipped)  # every rank meets the same error here, before joining

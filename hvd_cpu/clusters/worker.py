@@ -7,6 +7,7 @@ worker's own process, which the engine reuses for later work.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,6 +21,8 @@ import psutil
 
 from hvd_cpu.clusters.relay import Link
 from hvd_cpu.runtime.failure import FAILURES, failure_record_in
+
+FOLDER_PREFIX = "hvd-cpu-rank-"  # then the worker's pid: a rank's folder, in the temporary one
 
 
 class RankEnd(NamedTuple):
@@ -40,7 +43,8 @@ def run_rank(
     for it. The rows are written for it and let go: `own` is emptied, so that no caller's frame
     keeps them while the rank trains. Its output goes through `link`, or (None) to this
     process's own stdout and stderr."""
-    with tempfile.TemporaryDirectory(prefix="hvd-cpu-rank-") as folder:
+    _sweep_orphans(Path(tempfile.gettempdir()))
+    with tempfile.TemporaryDirectory(prefix=f"{FOLDER_PREFIX}{os.getpid()}-") as folder:
         (Path(folder) / "job.pkl").write_bytes(job)
         own.pop().to_pickle(Path(folder) / "rows.pkl")
         code = _start(folder, env, link)
@@ -51,6 +55,25 @@ def run_rank(
             outcome.read_bytes() if outcome.exists() else None,
             failure_record_in(Path(folder)),
         )
+
+
+def _sweep_orphans(temporary: Path) -> None:
+    """Remove the folders of workers killed under their ranks (Ray kills a lost worker's
+    children with it, Spark a lost executor's Python workers), which nobody else removes. A
+    folder names its worker's pid: one whose worker has ended, or started since it last
+    changed (its pid given to another process), is an orphan."""
+    for folder in temporary.glob(f"{FOLDER_PREFIX}*-*"):
+        pid = folder.name.removeprefix(FOLDER_PREFIX).partition("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            orphaned = psutil.Process(int(pid)).create_time() > folder.stat().st_mtime
+        except psutil.NoSuchProcess:
+            orphaned = True
+        except (psutil.Error, OSError):  # another user's, or gone meanwhile
+            continue
+        if orphaned:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _start(folder: str, env: dict[str, str], link: Link | None) -> int:
