@@ -30,6 +30,7 @@ else
   # one after another: they share its fixtures, a Spark cluster, an MLflow server). Then the
   # rest of the slow ones (faults, namespace hosts, stall bounds, speed) one at a time, as
   # they share the namespace hosts' network or measure seconds. --durations: where time goes.
-  tests -m "not container and (not slow or beside)" -n 2 --dist loadfile --durations=25
+  tests -m "not container and (not slow or beside)" -n 2 --dist loadfile --no-loadscope-reorder \
+    --durations=25
   tests -m "slow and not beside and not container" --durations=25
 fi
