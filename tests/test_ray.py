@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import hvd_cpu
+from hvd_cpu.clusters.worker import FOLDER_PREFIX
 from hvd_cpu.errors import InputError, RunFailed
 from tests.jobs import processes_naming
 from tests.spark_cluster import ROWS, table
@@ -36,7 +37,7 @@ from hvd_cpu import ray as hvd_ray  # noqa: E402
 # its workers a folder of its own).
 pytestmark = [pytest.mark.slow, pytest.mark.beside]
 RANKS = 2
-RANK_PROCESS = os.path.join(tempfile.gettempdir(), "hvd-cpu-rank-")
+RANK_PROCESS = os.path.join(tempfile.gettempdir(), FOLDER_PREFIX)
 OPTIONS = {"epochs": 3, "batch_size": 64, "seed": 3}
 
 

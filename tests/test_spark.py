@@ -28,6 +28,7 @@ from torch import nn
 import hvd_cpu
 from hvd_cpu import spark as hvd_spark
 from hvd_cpu.api import FitResult
+from hvd_cpu.clusters.worker import FOLDER_PREFIX
 from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.runtime.failure import RankTraceback
 from hvd_cpu.spark import cluster
@@ -269,7 +270,7 @@ def assert_no_rank_left(spark: Any) -> None:
     """No rank process of the cluster's, and nothing in the folder of a worker killed under
     its rank (its rank read the job, the user's code and rows, and removed them)."""
     assert not processes_naming(spark.cluster.ranks, grace=30)
-    assert not list(spark.cluster.ranks.glob("hvd-cpu-rank-*/*"))
+    assert not list(spark.cluster.ranks.glob(f"{FOLDER_PREFIX}*/*"))
 
 
 def _kill_a_rank(spark: Any) -> int:
@@ -328,7 +329,7 @@ def test_rank_failure_and_lost_executor(
     # The folders of workers killed under their ranks (some runs leave none), which nobody
     # else removes: the next job's workers do.
     hvd_spark.fit(frame, num_proc=2, output=tmp_path / "next", epochs=1)
-    assert not list(spark.cluster.ranks.glob("hvd-cpu-rank-*"))
+    assert not list(spark.cluster.ranks.glob(f"{FOLDER_PREFIX}*"))
 
 
 def _kill_after(output: Path, epochs: int, kill: Callable[[], int], killed: list[int]) -> None:
