@@ -41,6 +41,9 @@ def _fail(show: Callable[[], None], code: int, together: bool = False) -> NoRetu
     what its own launches left."""
     if launch_rank() == 0:
         show()
+    # Nothing to leave where neither Horovod nor MPI was started (an option or a path refused
+    # before torch's import): the ranks then end as those of a usage error do.
+    together = together and ("horovod" in sys.modules or "mpi4py.MPI" in sys.modules)
     if together:
         # Imported lazily: `hvd-cpu --help` and make-demo-data should not pay for Horovod.
         from hvd_cpu.runtime import join
@@ -73,9 +76,11 @@ def train(**options: object) -> None:
     """Train a model on a DataFrame: by default the seed's MLP (Linear(n,32) -> Linear(32,1),
     MSE, Adam) on every column but the target."""
     from hvd_cpu.config.options import TrainConfig
+
+    config = TrainConfig(**options)  # its checks first: a bad option costs no torch import
     from hvd_cpu.training.train import train as run_training
 
-    run_training(TrainConfig(**options))
+    run_training(config)
 
 
 @cli.command("spark-train")

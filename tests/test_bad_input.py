@@ -17,6 +17,7 @@ from hvd_cpu.data.features import Selection, fit
 from hvd_cpu.runtime.alone import Alone
 
 from .jobs import (
+    BIN,
     RANK_PREFIX,
     SLOW,
     LiveJob,
@@ -25,6 +26,7 @@ from .jobs import (
     hvd_cpu,
     mpirun,
     processes_naming,
+    run,
     slow_except,
 )
 
@@ -337,6 +339,27 @@ def test_plain_process_prints_one_line_and_exits_2(case: str, demo_parquet: Path
     assert job.stderr.startswith("hvd-cpu: error: ")
     assert re.search(pattern, job.stderr), job.stderr
     assert_untouched(output)
+
+
+# What the run's config refuses by itself is refused before torch (2 s of each rank) loads.
+WITHOUT_TORCH = """
+import sys
+from hvd_cpu.cli import main
+sys.argv = ["hvd-cpu", "train", *sys.argv[1:]]
+try:
+    main()
+finally:
+    print(sorted({"torch", "pandas", "horovod"} & set(sys.modules)))
+"""
+
+
+@pytest.mark.parametrize("case", ["stall bound below the heartbeat's noise", "unknown loss"])
+def test_an_option_the_config_refuses_costs_no_torch_import(case: str, tmp_path: Path) -> None:
+    make_args, pattern = PLAIN_CASES[case]
+    job = run([str(BIN / "python"), "-c", WITHOUT_TORCH, *make_args(tmp_path, pd.DataFrame())])
+    assert job.returncode == 2
+    assert re.search(pattern, job.stderr) and len(job.stderr.splitlines()) == 1, job.stderr
+    assert job.stdout == "[]\n"
 
 
 # One case per stage where a job can stop (options, reading, features, the user's model, the
