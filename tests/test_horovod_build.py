@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -322,3 +323,44 @@ def test_horovod_writes_each_log_line_whole() -> None:
     logged = [w for w in writes if "horovod/common/" in w or w.startswith("[")]
     assert logged, "Horovod logged nothing at level debug"
     assert all(w.startswith("[") and w.endswith("\n") for w in logged), logged[:5]
+
+
+def _ccache_counts(cache: Path) -> dict[str, int]:
+    printed = subprocess.run(
+        ["ccache", "--print-stats"], env=os.environ | {"CCACHE_DIR": str(cache)},
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return {name: int(count) for name, count in (line.split("\t") for line in printed.splitlines())}
+
+
+def test_a_build_in_a_new_folder_takes_what_ccache_compiled_in_another(tmp_path: Path) -> None:
+    """Each Horovod build is in a new temporary folder: the second must come from the compiler
+    cache all the same (CMake's launcher, base folder, no hash of the folder compiled in)."""
+    found = toolchain.find_build_tools(tmp_path / "tools", print)
+    assert found.ccache, "ccache is on the PATH (launch/install.sh --test installs it)"
+    cache = tmp_path / "ccache"
+    counts = []
+    for _ in range(2):
+        work = Path(tempfile.mkdtemp(prefix="hvd-cpu-horovod-build-", dir=tmp_path))
+        (work / "include").mkdir()
+        (work / "include" / "value.h").write_text("constexpr int kValue = 42;\n")
+        (work / "main.cc").write_text('#include "value.h"\nint main() { return kValue - 42; }\n')
+        (work / "CMakeLists.txt").write_text(
+            "cmake_minimum_required(VERSION 3.13)\nproject(probe CXX)\n"
+            "add_executable(probe main.cc)\n"
+            "target_include_directories(probe PRIVATE ${CMAKE_SOURCE_DIR}/include)\n"
+            'set(CMAKE_CXX_FLAGS "${CMAKE_CXX_FLAGS} -g")\n'
+        )
+        env = os.environ | found.environment(work) | {"CCACHE_DIR": str(cache)}
+        for step in (
+            ["-S", str(work), "-B", str(work / "build")],
+            ["--build", str(work / "build")],
+        ):
+            done = subprocess.run([found.cmake, *step], env=env, capture_output=True, text=True)
+            assert done.returncode == 0, done.stdout + done.stderr
+        assert subprocess.run([work / "build" / "probe"]).returncode == 0
+        counted = _ccache_counts(cache)
+        counts.append((counted["direct_cache_hit"], counted["cache_miss"]))
+    (first_hits, first_misses), (hits, misses) = counts
+    assert first_hits == 0 and first_misses >= 1, counts  # main.cc, and CMake's own probes
+    assert misses == first_misses and hits == first_misses, counts

@@ -156,9 +156,10 @@ def _version(text: str) -> tuple[int, ...]:
 class BuildTools:
     cmake: str
     ninja: str | None  # where the machine has no make: Ninja (from PyPI) is the generator
+    ccache: str | None  # the machine's compiler cache, if it has one
 
-    def environment(self) -> dict[str, str]:
-        """What Horovod's setup.py and CMake read to use these tools."""
+    def environment(self, work: Path) -> dict[str, str]:
+        """What Horovod's setup.py and CMake read to use these tools, building under `work`."""
         env = {
             "HOROVOD_CMAKE": self.cmake,
             # CMake 4 refuses `cmake_minimum_required` below 3.5, which Horovod's third_party
@@ -168,18 +169,32 @@ class BuildTools:
         if self.ninja:  # CMake finds the generator's program on the PATH
             path = f"{Path(self.ninja).parent}{os.pathsep}{os.environ.get('PATH', '')}"
             env |= {"CMAKE_GENERATOR": "Ninja", "PATH": path}
+        if self.ccache:
+            # Every build is in a new temporary folder: ccache hashes the paths under it as
+            # relative ones and not the folder compiled in, or nothing would ever hit. CMake
+            # 3.17 and newer read the launchers (3.13-3.16 compile without the cache).
+            env |= {
+                "CMAKE_C_COMPILER_LAUNCHER": self.ccache,
+                "CMAKE_CXX_COMPILER_LAUNCHER": self.ccache,
+                "CCACHE_BASEDIR": str(work),
+                "CCACHE_NOHASHDIR": "1",
+            }
         return env
 
 
 def find_build_tools(tools_dir: Path, say: Say) -> BuildTools:
-    """The machine's cmake (>= 3.13) and make, or PyPI's cmake and ninja in `tools_dir`."""
+    """The machine's cmake (>= 3.13) and make, or PyPI's cmake and ninja in `tools_dir`; and
+    ccache, where the machine has it: a rebuild (the Gloo-only build, another environment's,
+    a new patch) then compiles only what changed."""
     cmake = shutil.which("cmake")
     if cmake is None or _version(_first_line([cmake, "--version"])) < CMAKE_MINIMUM:
         why = "no cmake on PATH" if cmake is None else f"{cmake} is older than 3.13"
         cmake = _from_pypi("cmake", tools_dir, say, why)
     make = shutil.which("make") or shutil.which("gmake")
     return BuildTools(
-        cmake, None if make else _from_pypi("ninja", tools_dir, say, "no make on PATH")
+        cmake,
+        None if make else _from_pypi("ninja", tools_dir, say, "no make on PATH"),
+        shutil.which("ccache"),
     )
 
 
