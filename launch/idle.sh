@@ -10,7 +10,7 @@ set -euo pipefail
 
 group_in() {
   # The cpu controller's folder for a new group in $1, made with the least CPU share it allows.
-  local parent=$1 group=$1/hvd-cpu-idle-$$
+  local group=$1/hvd-cpu-idle-$$
   mkdir "$group" 2>/dev/null || return 1
   if [[ -f $group/cpu.idle ]]; then
     echo 1 >"$group/cpu.idle"

@@ -184,8 +184,8 @@ class BuildTools:
 
 def find_build_tools(tools_dir: Path, say: Say) -> BuildTools:
     """The machine's cmake (>= 3.13) and make, or PyPI's cmake and ninja in `tools_dir`; and
-    ccache, where the machine has it: a rebuild (the Gloo-only build, another environment's,
-    a new patch) then compiles only what changed."""
+    ccache, where the machine has it: a rebuild (the same build in another environment, or
+    after a new patch) then compiles only what changed."""
     cmake = shutil.which("cmake")
     if cmake is None or _version(_first_line([cmake, "--version"])) < CMAKE_MINIMUM:
         why = "no cmake on PATH" if cmake is None else f"{cmake} is older than 3.13"
