@@ -279,6 +279,12 @@ def processes_naming(marker: Path | str, grace: float = 0.0) -> list[int]:
         time.sleep(0.05)
 
 
+def ccache_counts(printed: str) -> dict[str, int]:
+    """`ccache --print-stats`'s counters by name (each line a name, a tab, a count)."""
+    pairs = (line.split("\t") for line in printed.splitlines() if "\t" in line)
+    return {name: int(count) for name, count in pairs}
+
+
 def slow_except(values: Iterable[Any], kept: Iterable[Any]) -> list[Any]:
     """Parameters for pytest.mark.parametrize: those in `kept` run in the main suite, the rest
     are marked slow (launch/test.sh runs them after it). Values may be tuples of arguments."""

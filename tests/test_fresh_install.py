@@ -31,9 +31,10 @@ from pathlib import Path
 
 import pytest
 
-from .jobs import REPO, Run, needs_root_and_apt, run
+from .jobs import REPO, Run, ccache_counts, needs_root_and_apt, run
 
 USER = "someuser"
+USER_IDS = "1000:1000"  # the fresh machine's first user's, as chown on this machine needs them
 HOST_CACHE = Path(os.environ.get("HVD_CPU_CACHE", Path.home() / ".cache" / "hvd-cpu"))
 pytestmark = [
     pytest.mark.container,
@@ -130,7 +131,7 @@ def _compiler_cache_into(machine: Machine) -> Path:
     kept.mkdir(parents=True, exist_ok=True)
     target = machine.home / ".cache" / "ccache"
     target.mkdir(parents=True)
-    subprocess.run(["chown", "-R", "1000:1000", str(kept), str(target.parent)], check=True)
+    subprocess.run(["chown", "-R", USER_IDS, str(kept), str(target.parent)], check=True)
     subprocess.run(["mount", "--bind", str(kept), str(target)], check=True)
     return target
 
@@ -156,7 +157,7 @@ def _clone_into(folder: Path) -> None:
         if source.is_file():
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, folder / name)
-    subprocess.run(["chown", "-R", "1000:1000", str(folder.parent)], check=True)
+    subprocess.run(["chown", "-R", USER_IDS, str(folder.parent)], check=True)
 
 
 def _trained(output: Path, ranks: int, controller: str) -> None:
@@ -175,7 +176,7 @@ def _children_cpu_seconds() -> float:
 def _ccache_hits(machine: Machine) -> str:
     """What the user's ccache compiled and took from its cache since it was last asked."""
     said = machine.as_user("ccache --print-stats && ccache --zero-stats", timeout=60).stdout
-    counts = dict(line.split("\t") for line in said.splitlines() if "\t" in line)
+    counts = ccache_counts(said)
     return f"ccache {counts.get('direct_cache_hit')} hits, {counts.get('cache_miss')} misses"
 
 

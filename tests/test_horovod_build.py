@@ -22,7 +22,7 @@ from hvd_cpu.horovod_build import build, patching, toolchain
 from hvd_cpu.horovod_build.toolchain import InstallError, Mpi, Torch
 from hvd_cpu.tools.doctor import build_differences
 
-from .jobs import BIN, REPO, run
+from .jobs import BIN, REPO, ccache_counts, run
 
 PYENV = Path.home() / ".pyenv" / "versions"
 
@@ -330,7 +330,7 @@ def _ccache_counts(cache: Path) -> dict[str, int]:
         ["ccache", "--print-stats"], env=os.environ | {"CCACHE_DIR": str(cache)},
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    return {name: int(count) for name, count in (line.split("\t") for line in printed.splitlines())}
+    return ccache_counts(printed)
 
 
 def test_a_build_in_a_new_folder_takes_what_ccache_compiled_in_another(tmp_path: Path) -> None:
