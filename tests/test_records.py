@@ -50,7 +50,7 @@ def test_quiet_writes_the_files_and_prints_nothing(
     records = Records(TrainConfig(output=tmp_path, quiet=True), Shape(1))
     records.start([], [])
     records.epoch(metrics(1))
-    records.summary(state_of(metrics(1)), "gradients averaged")
+    records.summary(state_of(metrics(1)), "gradients averaged", "fp32 (--precision fp32)")
     assert capsys.readouterr().out == ""
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
 
@@ -69,12 +69,14 @@ def test_ranks_that_end_with_different_parameters_are_warned_about(
 
 def test_the_table_of_one_process_has_no_rows_about_other_ranks(tmp_path: Path) -> None:
     state = state_of(metrics(1, val=0.9), metrics(2, val=0.7), metrics(3, val=0.8))
-    table = summary_table(TrainConfig(output=tmp_path), state, Shape(1), "unsaid", wall=7.0)
+    precision = "fp32 (--precision fp32)"
+    table = summary_table(TrainConfig(output=tmp_path), state, Shape(1), "unsaid", precision, 7.0)
     names = [line.split("  ")[1] for line in table.splitlines()]
     assert names == [
         "epochs run", "best epoch", "best validation loss", "final train loss",
-        "training time", "throughput", "output",
+        "training time", "throughput", "precision", "output",
     ]  # fmt: skip
+    assert f"  precision             {precision}\n" in table
     assert "best epoch            2" in table and "6.0 s (wall 7.0 s)" in table
     assert "  500 samples/s over 1 rank(s)" in table
 
@@ -88,7 +90,8 @@ def test_the_table_of_several_ranks_says_how_long_they_waited_and_how_they_kept_
 ) -> None:
     state = state_of(metrics(1, wait=0.5))
     synchronised = "parameters averaged every 8 steps"
-    table = summary_table(TrainConfig(), state, Shape(2, controller, transport), synchronised, 3.0)
+    shape = Shape(2, controller, transport)
+    table = summary_table(TrainConfig(), state, shape, synchronised, "fp32", 3.0)
     assert "  waiting for other ranks  25% of training time\n" in table
     assert f"  controller               {name}; parameters averaged every 8 steps\n" in table
 

@@ -44,6 +44,7 @@ CHOICES = {
     "task": tuple(map(str, Task)),
     "activation": ("none", "relu", "gelu"),
     "allreduce": ("auto", "horovod", "direct"),
+    "precision": ("fp32", "bf16", "auto"),
     "format": (None, *FORMATS),
 }
 
@@ -229,6 +230,15 @@ class TrainConfig:
         "memory; far less overhead per step); auto, direct where there is one, else horovod.",
         type=click.Choice(CHOICES["allreduce"]),
     )
+    # The arithmetic of forward and loss (training/precision.py): bf16 is autocast with fp32
+    # weights, for CPUs with native bfloat16; auto takes it where a timed trial says it pays.
+    precision: Literal["fp32", "bf16", "auto"] = option(
+        "fp32",
+        help="Arithmetic of forward and loss: fp32; bf16, autocast with fp32 weights, optimizer "
+        "and files (CPUs with native bfloat16: about 2x faster matrix multiplies); auto, bf16 "
+        "where a few timed steps of both say it pays for this model here.",
+        type=click.Choice(CHOICES["precision"]),
+    )
     # output
     output: Path = option(
         Path("runs/hvd-cpu"),
@@ -408,6 +418,11 @@ class TrainConfig:
             )
         if self.sync_every > 1:
             raise InputError("--elastic averages gradients every step: leave out --sync-every")
+        if self.precision == "auto":
+            raise InputError(
+                "--elastic ranks start apart, so they cannot time a precision together: choose "
+                "--precision fp32 or bf16"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (paths as strings), for checkpoints and the exported model."""

@@ -70,12 +70,12 @@ class Records:
             self.tracking.finished([self.output / MODEL, self.output / FEATURES])
         self.tracking.close(failed)
 
-    def summary(self, state: LoopState, synchronised: str) -> None:
+    def summary(self, state: LoopState, synchronised: str, precision: str) -> None:
         """The closing table, and advice when the ranks mostly waited for each other."""
         if self.config.quiet or not state.history:
             return
         wall = time.perf_counter() - self.started
-        say(summary_table(self.config, state, self.shape, synchronised, wall))
+        say(summary_table(self.config, state, self.shape, synchronised, precision, wall))
         advice = waiting_advice(self.config, state, self.shape)
         if advice:
             say(advice, sys.stderr)

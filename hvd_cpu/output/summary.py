@@ -31,11 +31,16 @@ def waiting_share(state: LoopState) -> float:
 
 
 def summary_table(
-    config: TrainConfig, state: LoopState, shape: Shape, synchronised: str, wall: float
+    config: TrainConfig,
+    state: LoopState,
+    shape: Shape,
+    synchronised: str,
+    precision: str,
+    wall: float,
 ) -> str:
-    """The closing table: epochs, best validation, time, throughput; with several ranks, how
-    long they waited, over what and how they stayed in step (`synchronised`, the strategy's
-    words)."""
+    """The closing table: epochs, best validation, time, throughput, the arithmetic
+    (`precision`, and why); with several ranks, how long they waited, over what and how they
+    stayed in step (`synchronised`, the strategy's words)."""
     samples = sum(h["samples"] for h in state.history)
     seconds = sum(h["seconds"] for h in state.history)
     rows = [("epochs run", f"{state.epoch}")]
@@ -48,6 +53,7 @@ def summary_table(
         ("final train loss", f"{state.history[-1]['train_loss']:.4f}"),
         ("training time", f"{seconds:.1f} s (wall {wall:.1f} s)"),
         ("throughput", f"{samples / seconds:,.0f} samples/s over {shape.size} rank(s)"),
+        ("precision", precision),
     ]
     if shape.size > 1:
         rows.append(("waiting for other ranks", f"{waiting_share(state):.0%} of training time"))

@@ -11,5 +11,7 @@ by the run and let go when it ends.
 How the ranks stay in step is sync.py: one GradientSync subclass per strategy (a new strategy
 is one new subclass there, chosen in sync.choose). state.py holds the loop's state and epoch
 metrics (a leaf, read by the output room), schedule.py the lr, validation.py the held-out rows,
-stopping.py when the ranks stop together after a SIGTERM (preemption).
+stopping.py when the ranks stop together after a SIGTERM (preemption), precision.py what
+the steps' forward pass and loss run in (--precision: fp32, bf16 autocast, or auto's timed
+choice).
 """

@@ -119,7 +119,9 @@ class Job:
             records.ranks(reports)
             records.features(transform.to_dict())
             ModelFile.export(self.config, model, transform).save(self.config.output / MODEL)
-            records.summary(trainer.state, trainer.gradient_sync.described)
+            records.summary(
+                trainer.state, trainer.gradient_sync.described, trainer.precision.described
+            )
             records.close(failed=False)
 
         self.write_root(world, write_results)

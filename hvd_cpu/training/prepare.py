@@ -35,6 +35,8 @@ from hvd_cpu.model.networks import build_model
 from hvd_cpu.output import seal, tracking
 from hvd_cpu.output.model_files import CHECKPOINT, Checkpoint
 from hvd_cpu.runtime.world import World
+from hvd_cpu.training.precision import Batch, Precision
+from hvd_cpu.training.precision import choose as choose_precision
 from hvd_cpu.training.scope import RunScope
 
 
@@ -72,6 +74,7 @@ class Prepared:
     train_length: int  # --shard-read: the longest shard's training rows (others pad to it)
     model: nn.Module
     loss_fn: Loss
+    precision: Precision  # what the steps run in, the same on every rank
     resumed: Checkpoint | None  # rank 0: the checkpoint to continue from
     has_validation: bool  # some rank holds out rows
 
@@ -202,6 +205,12 @@ def split(rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Te
     return torch.from_numpy(train), torch.from_numpy(val)
 
 
+def first_batch(arrays: Arrays, rows: torch.Tensor, size: int) -> Batch:
+    """The first `size` of `rows` as (inputs, targets): what a timed or trial step runs on."""
+    first = rows[:size].numpy()
+    return torch.from_numpy(arrays.x[first]), torch.from_numpy(arrays.y[first])
+
+
 def prepare(
     config: TrainConfig, world: World, membership: Joining, own: pd.DataFrame | None = None
 ) -> Prepared:
@@ -242,8 +251,11 @@ def prepare(
         return model, loss_fn
 
     model, loss_fn = world.collectives.agreed(build)
+    batch = first_batch(arrays, train_rows, config.batch_size)
+    earlier = resumed.loop.get("precision") if resumed else None  # rank 0's, broadcast by choose
+    chosen = choose_precision(config.precision, model, loss_fn, batch, world.collectives, earlier)
     has_validation = membership.has_validation(len(val_rows), world)
     return Prepared(
-        transform, arrays, train_rows, val_rows, max(lengths), model, loss_fn, resumed,
+        transform, arrays, train_rows, val_rows, max(lengths), model, loss_fn, chosen, resumed,
         has_validation,
     )  # fmt: skip

@@ -26,6 +26,7 @@ class LoopState:
     # The current epoch's sums before an agreed stop, over all ranks: loss, samples, correct,
     # seconds waited, seconds (Trainer.carry_epoch), so a resumed epoch's metrics are whole.
     epoch_carried: list[float] = field(default_factory=list)
+    precision: str = "fp32"  # what the steps run in: --precision auto resumes in it
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def validated(self, val_loss: float, epoch: int, plateau_patience: int | None) -> None:

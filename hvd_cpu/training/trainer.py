@@ -29,6 +29,7 @@ from hvd_cpu.output.model_files import Checkpoint
 from hvd_cpu.runtime import startup
 from hvd_cpu.runtime.world import World
 from hvd_cpu.training import sync
+from hvd_cpu.training.precision import Precision
 from hvd_cpu.training.prepare import Prepared
 from hvd_cpu.training.schedule import scaled_lr, scheduled_lr
 from hvd_cpu.training.state import EpochMetrics, LoopState
@@ -47,16 +48,18 @@ class Trainer:
         batches: ShardedBatches,
         validation: Validation | None,
         world: World,
+        precision: Precision,
     ) -> None:
         self.config = config
         self.model = model
+        self.precision = precision
         self.gradient_sync = sync.choose(config, adam(model.parameters(), config.lr), model, world)
         self.optimizer = self.gradient_sync.optimizer
         self.batches = batches
         self.validation = validation
         self.classification = config.task == Task.CLASSIFICATION
         self.loss_fn = loss_fn
-        self.state = LoopState()
+        self.state = LoopState(precision=precision.name)
         # This rank's sums of the epoch running: loss, samples, correct; seconds waited; start.
         self.epoch_sums = torch.zeros(3, dtype=torch.float64)
         self.epoch_waited = 0.0
@@ -96,15 +99,16 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr()
         self.gradient_sync.zero_grad()
-        out = self.model(x)
-        loss = self.loss_fn(out, y)
+        with self.precision.autocast():
+            out = self.model(x)
+            loss = self.loss_fn(out, y)
         loss.backward()
         # A wait for the others, whatever averages (counted: this rank came this far).
         step = self.gradient_sync.step
         waited = self.world.collectives.wait_for_others(step, self.state.step + 1)
         self.state.step += 1
         correct = (out.argmax(1) == y).sum() if self.classification else torch.zeros(())
-        return loss.detach() * len(x), correct, waited
+        return loss.detach().float() * len(x), correct, waited
 
     def epoch_trained(self) -> bool:
         """Whether the ranks have trained every row of this epoch (--elastic counts them)."""
@@ -216,12 +220,18 @@ class Trainer:
         if saved is not None:
             self.load(saved.model, saved.optimizer, saved.loop)
         self.take_root_state()
+        self.state.precision = self.precision.name  # --precision may differ from the resumed
 
 
 def build_trainer(
-    config: TrainConfig, world: World, prepared: Prepared, model: nn.Module
+    config: TrainConfig,
+    world: World,
+    prepared: Prepared,
+    model: nn.Module,
+    precision: Precision | None = None,
 ) -> Trainer:
-    """A Trainer of `model` over this rank's shard of `prepared`."""
+    """A Trainer of `model` over this rank's shard of `prepared`, in `precision` (default:
+    the one prepared chose)."""
     rows, rank, size, seed = len(prepared.train_rows), world.rank, world.size, config.seed
     sampler: ShardSampler
     if config.shard_read:  # its own rows, padded to the longest rank's
@@ -234,7 +244,10 @@ def build_trainer(
         arrays = prepared.arrays
         x, y = torch.from_numpy(arrays.x), torch.from_numpy(arrays.y)
         validation = Validation(x, y, prepared.val_rows)
-    return Trainer(config, model, prepared.loss_fn, batches, validation, world)
+    return Trainer(
+        config, model, prepared.loss_fn, batches, validation, world,
+        precision or prepared.precision,
+    )  # fmt: skip
 
 
 def rank_report(world: World, trainer: Trainer, first_step_unix: float) -> dict[str, Any]:
@@ -249,6 +262,7 @@ def rank_report(world: World, trainer: Trainer, first_step_unix: float) -> dict[
         "controller": world.controller,
         "transport": world.transport,
         "sync": trainer.gradient_sync.described,
+        "precision": trainer.precision.described,
         "shard_rows": len(trainer.batches.sampler),
         "rows_read": len(trainer.batches.x),  # encoded here: all rows, or its own (--shard-read)
         "epochs_run": trainer.state.epoch,
