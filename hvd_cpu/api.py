@@ -219,19 +219,22 @@ def benchmark(
     batch_sizes: tuple[int, ...] = (64, 1024),
     sync_intervals: tuple[int, ...] = (1, 8),
     controllers: tuple[str, ...] = ("mpi", "gloo"),
+    precisions: tuple[str, ...] = (),
     epochs: int = 2,
     rows: int = 65_536,
     output: str | Path = "runs/bench",
     overwrite: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
-    """Measure which process count, controller, threads, per-rank batch and sync interval
-    train `data` (a frame file; None: a demo frame of `rows` rows) fastest here, as
+    """Measure which process count, controller, threads, per-rank batch, sync interval and
+    precision train `data` (a frame file; None: a demo frame of `rows` rows) fastest here, as
     `hvd-cpu bench` does, and return the report that OUTPUT/bench.json then holds (its
-    "recommendation" ends with the command line that trains that way).
+    "recommendation" and "to_same_loss" end with the command lines that train fastest and
+    reach the same loss soonest).
 
     Each setting trains `epochs` epochs, the last timed; `processes` () is 1, 2 and one per
-    core; the first of `batch_sizes` is the one you train with. `options` are TrainConfig's
+    core; the first of `batch_sizes` is the one you train with; `precisions` () is fp32, and
+    bf16 where the CPU has it natively. `options` are TrainConfig's
     fields of the data and model (features=, task=, model=, hidden=, lr=, ...). Run it outside
     horovodrun: it launches its own jobs. Raises InputError for bad input, with the message
     the command line prints.
@@ -261,6 +264,7 @@ def benchmark(
         sync_intervals=tuple(sync_intervals),
         cores=cores,
         controllers=tuple(controllers),
+        precisions=tuple(precisions) or bench.default_precisions(),
     )
     report = bench.run(config, epochs)
     bench.write(report, output)

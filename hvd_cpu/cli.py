@@ -270,6 +270,14 @@ def plot(output: Path) -> None:
     metavar="NAME,...",
     help="Horovod controllers to try with several processes: mpi, gloo.",
 )
+@click.option(
+    "--precision",
+    "precisions",
+    type=NAMES,
+    default="",
+    metavar="NAME,...",
+    help="Precisions to try: fp32, bf16. Default: both where the CPU has native bfloat16.",
+)
 @train_options("lr")
 @click.option(
     "--epochs",
@@ -288,8 +296,9 @@ def plot(output: Path) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an earlier bench in OUTPUT.")
 def bench(**options: Any) -> None:
     """Measure which process count, controller (MPI or Gloo), threads, per-rank batch, sync
-    interval and gradient allreduce train this data and model fastest here, and print the
-    command that runs it; launches the jobs itself (run it without horovodrun)."""
+    interval, gradient allreduce and precision train this data and model fastest here, and
+    which reaches the same loss soonest, and print the commands that run them; launches the
+    jobs itself (run it without horovodrun)."""
     from hvd_cpu.api import benchmark
     from hvd_cpu.tools.bench import table
 

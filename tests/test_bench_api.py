@@ -53,6 +53,7 @@ def test_without_data_it_measures_a_demo_frame_as_the_command_did(
     assert (config.batch_sizes, config.sync_intervals, config.controllers) == (
         (64, 1024), (1, 8), ("mpi", "gloo")
     )  # fmt: skip
+    assert config.precisions == bench.default_precisions()
 
 
 @pytest.mark.parametrize(
@@ -141,3 +142,55 @@ def test_the_recommendation_follows_the_measurements_by_bench_s_rule(faster: str
     assert ("--allreduce horovod" in recommended["command"]) == (
         chosen.setting == best.setting and faster == "horovod"
     )
+
+
+@pytest.mark.parametrize(
+    ("losses", "target", "epochs"),
+    [
+        ((0.5, 0.3, 0.2), 0.2, 3.0),
+        ((0.5, 0.3, 0.2), 0.25, 2.5),  # half of the third epoch's gain was needed
+        ((0.5, 0.3, 0.2), 0.6, 1.0),
+        ((0.5, 0.3, 0.2), 0.1, None),
+        ((0.5, float("nan")), 0.4, None),
+    ],
+)
+def test_the_epochs_to_a_loss_are_interpolated_within_the_epoch_that_reached_it(
+    losses: tuple[float, ...], target: float, epochs: float | None
+) -> None:
+    assert bench.epochs_to(losses, target) == epochs
+
+
+def test_the_soonest_to_the_same_loss_may_be_neither_the_fastest_nor_exact() -> None:
+    """The loss every setting as asked reached is the target; a larger batch that is faster a
+    sample but slower to learn loses to bf16 at the asked batch, and the command says bf16."""
+
+    def timed(
+        setting: bench.Setting, per_s: float, epoch_s: float, losses: tuple
+    ) -> bench.Measurement:
+        return bench.Measurement(setting, per_s, 1.0, 0.6, 0.4, epoch_s, losses)
+
+    fp32 = timed(bench.Setting(1, 2, 64, 1), 1000.0, 2.0, (0.5, 0.3, 0.2))
+    bf16 = timed(bench.Setting(1, 2, 64, 1, precision="bf16"), 1900.0, 1.0, (0.5, 0.31, 0.21))
+    larger = timed(bench.Setting(1, 2, 1024, 1), 4000.0, 0.5, (0.9, 0.7, 0.6))
+    measurements = [fp32, bf16, larger]
+    assert bench.to_same_loss(measurements, 64) == 0.21
+    assert (fp32.seconds_to_loss, bf16.seconds_to_loss, larger.seconds_to_loss) == (
+        pytest.approx(2 * 2.9), 3.0, None
+    )  # fmt: skip
+    train = TrainConfig(data=Path("f.parquet"))
+    soonest = bench.soonest(measurements, 0.21, train, cores=2)
+    assert soonest["setting"] == asdict(bf16.setting)
+    assert soonest["reason"] == (
+        "train loss 0.21 in 3.00 s, 1.93x sooner than fp32's soonest "
+        f"({fp32.setting.label()}, 5.80 s)"
+    )
+    assert "--precision bf16" in soonest["command"]
+    assert "--precision" not in bench.command_line(fp32.setting, train, cores=2)
+
+
+def test_every_setting_is_tried_in_every_precision_asked() -> None:
+    train = TrainConfig(data=Path("f.parquet"))
+    config = bench.BenchConfig(train, (1,), (64,), (1,), cores=2, precisions=("fp32", "bf16"))
+    assert [[s.precision for s in job] for job in bench.jobs(config)] == [["fp32", "bf16"]] * 2
+    with pytest.raises(InputError, match="precisions are fp32 and bf16, got fp16"):
+        bench.BenchConfig(train, (1,), (64,), (1,), cores=2, precisions=("fp16",))

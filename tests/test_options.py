@@ -49,6 +49,7 @@ CONFIGS = (
         threads=2,
         sync_every=4,
         allreduce="direct",
+        precision="auto",
         output=Path("runs/x"),
         warmup_epochs=2,
         plateau_patience=3,
@@ -69,6 +70,7 @@ CONFIGS = (
         loss="huber",
         resume=True,
         elastic=True,
+        precision="bf16",
         commit_every=5,
         max_restarts=0,
         stall_seconds=2.5,
@@ -130,13 +132,14 @@ def test_a_recorded_config_file_reads_back_as_the_config(
         (CONFIGS[1], bench_tool.Setting(2, 3, 64, 1, "gloo", "direct"), "auto"),
         (CONFIGS[1], bench_tool.Setting(2, 3, 64, 1, "gloo"), "horovod"),
         (CONFIGS[1], bench_tool.Setting(1, 1, 32, 1), "auto"),
+        (CONFIGS[0], bench_tool.Setting(2, 1, 128, 1, "gloo", precision="bf16"), "horovod"),
     ],
 )
 def test_bench_s_recommended_command_trains_as_measured(
     config: TrainConfig, setting: bench_tool.Setting, allreduce: str
 ) -> None:
     """Its `hvd-cpu train` words parse back to the benchmarked config with the setting's batch,
-    sync, allreduce and threads (left out when train picks the same: --allreduce auto is
+    sync, allreduce, precision and threads (left out when train picks the same: --allreduce auto is
     direct under MPI and under Gloo through shared memory), and the output, progress,
     validation and epoch
     lines of a plain run."""
@@ -150,6 +153,7 @@ def test_bench_s_recommended_command_trains_as_measured(
         batch_size=setting.batch_size,
         sync_every=setting.sync_every,
         allreduce=allreduce,
+        precision=setting.precision,
         threads=None
         if setting.threads == default_threads(setting.processes, 4)
         else setting.threads,

@@ -130,6 +130,7 @@ def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     args = ["bench", "--rows", "4096", "--processes", "1,2", "--batch-size", "64,256"]
     args += ["--sync-every", "1,4", "--output", str(out)]
+    precisions = bench.default_precisions()  # fp32, and bf16 where the CPU has it natively
     job = hvd_cpu(*args, timeout=600)
     assert job.returncode == 0, job.stdout + job.stderr
     assert "recommended: -np " in job.stdout
@@ -138,15 +139,18 @@ def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
     settings = {tuple(m["setting"].values()) for m in report["measurements"]}
     cores = report["machine"]["cores"]
     threads = sorted({1, cores})
-    expected = {(1, t, b, 1, "gloo", "horovod") for t in threads for b in (64, 256)}
+    expected = {
+        (1, t, b, 1, "gloo", "horovod", p) for t in threads for b in (64, 256) for p in precisions
+    }
     for controller, ways in [
         ("mpi", [(1, "horovod"), (1, "direct"), (4, "horovod")]),
         ("gloo", [(1, "horovod"), (1, "direct"), (4, "horovod")]),
     ]:
         expected |= {
-            (2, max(1, cores // 2), b, k, controller, allreduce)
+            (2, max(1, cores // 2), b, k, controller, allreduce, p)
             for b in (64, 256)
             for k, allreduce in ways
+            for p in precisions
         }
     assert settings == expected
     for m in report["measurements"]:
@@ -167,19 +171,28 @@ def test_bench_measures_every_setting_and_recommends(tmp_path: Path) -> None:
     # one job per controller: every setting runs with the same Horovod cycle
     assert launched == [(1, t, "gloo") for t in threads] + [(2, half, "mpi"), (2, half, "gloo")]
     assert all(launch["seconds_to_first_step"] > 0 for launch in report["launches"])
-    # The recommendation ends with the command that trains that way; it runs as printed.
-    command = report["recommendation"]["command"]
-    assert job.stdout.splitlines()[-2] == f"run it: {command}"
-    words = shlex.split(command)
-    assert words[:2] == ["hvd-cpu", "train"] or words[:4] == [
-        "horovodrun",
-        f"--{recommended['controller']}",
-        "-np",
-        str(recommended["processes"]),
+    # The recommendation, and the setting soonest to the same loss, each end with the command
+    # that trains that way; each runs as printed.
+    soonest = report["to_same_loss"]
+    reached = [m for m in report["measurements"] if m["seconds_to_loss"] is not None]
+    assert soonest["seconds"] == min(m["seconds_to_loss"] for m in reached)
+    commands = [report["recommendation"]["command"], soonest["command"]]
+    assert [line for line in job.stdout.splitlines() if line.startswith("run it: ")] == [
+        f"run it: {command}" for command in commands
     ]
-    trained = run([*words, "--epochs", "1", "--output", str(tmp_path / "as-recommended")])
-    assert trained.returncode == 0, trained.stdout + trained.stderr
-    trains_as_measured(tmp_path / "as-recommended", recommended)
+    for name, command, setting in zip(
+        ("as-recommended", "soonest"), commands, (recommended, soonest["setting"]), strict=True
+    ):
+        words = shlex.split(command)
+        assert words[:2] == ["hvd-cpu", "train"] or words[:4] == [
+            "horovodrun",
+            f"--{setting['controller']}",
+            "-np",
+            str(setting["processes"]),
+        ]
+        trained = run([*words, "--epochs", "1", "--output", str(tmp_path / name)])
+        assert trained.returncode == 0, trained.stdout + trained.stderr
+        trains_as_measured(tmp_path / name, setting)
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", (out / "bench.png").read_bytes()[16:24])[0] > 100
 
@@ -225,6 +238,7 @@ def trains_as_measured(output: Path, setting: dict) -> None:
     assert all(r["sync"].split(" (")[0] == averaged for r in ran), ran
     if setting["processes"] > 1:
         assert {r["controller"] for r in ran} == {setting["controller"]}
+    assert {r["precision"].split(" ")[0] for r in ran} == {setting["precision"]}
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """`hvd-cpu bench`: measure, on this machine, which process count, controller (MPI or Gloo),
-threads per rank, per-rank batch, sync interval and gradient allreduce train a given frame and
-model fastest, and say so honestly, ending with the command line that runs it.
+threads per rank, per-rank batch, sync interval, gradient allreduce and precision train a given
+frame and model fastest, and say so honestly, ending with the command line that runs it; and
+which reaches the same loss soonest, since a faster step that learns less per epoch (a larger
+batch, local SGD, bfloat16) may need more of them.
 
 For each process count, thread count and controller it launches one job (Horovod's programmatic
 launcher, as `hvd_cpu.fit` does: a process whose torch thread count changes after it has run
@@ -8,7 +10,8 @@ trains several times slower than one started with it). In the job, every setting
 same start for a few epochs with the real training loop; the last epoch is timed (the first
 pays for warm-up). A step's time
 splits into compute and the wait for the other ranks (the gradient allreduce, or the
-parameter average of local SGD).
+parameter average of local SGD). Each epoch's training loss is kept: the time to a loss is
+the epochs a setting needed to reach it (interpolated within an epoch) times its timed epoch.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from hvd_cpu.errors import InputError, RunFailed
 from hvd_cpu.runtime import join, launch
 from hvd_cpu.runtime.cores import default_threads
 from hvd_cpu.training.membership import Fixed
-from hvd_cpu.training.prepare import prepare
+from hvd_cpu.training.precision import Precision, bf16_failure, native_bf16
+from hvd_cpu.training.prepare import first_batch, prepare
 from hvd_cpu.training.trainer import build_trainer
 
 # A faster setting is recommended over the requested one only when it is this much faster:
@@ -49,6 +53,7 @@ class Setting:
     sync_every: int  # 1: gradients averaged every step; K: local SGD
     controller: str = "gloo"  # of a job of several processes
     allreduce: str = "horovod"  # of every-step averaging: horovod or direct
+    precision: str = "fp32"  # or bf16
 
     def label(self) -> str:
         if self.sync_every > 1:
@@ -58,7 +63,10 @@ class Setting:
         where = f"-np {self.processes}"
         if self.processes > 1:
             where += f" {CONTROLLER_NAMES[self.controller]}"
-        return f"{where}, {self.threads} thread(s)/rank, batch {self.batch_size}/rank, {sync}"
+        return (
+            f"{where}, {self.threads} thread(s)/rank, batch {self.batch_size}/rank, {sync}, "
+            f"{self.precision}"
+        )
 
 
 @dataclass
@@ -70,8 +78,11 @@ class Measurement:
     step_ms: float  # per rank
     compute_ms: float  # of step_ms: forward, backward, update, fetching the batch
     wait_ms: float  # of step_ms: waiting for the other ranks
+    epoch_seconds: float = 0.0  # the timed epoch (every row once, however many ranks)
+    losses: tuple[float, ...] = ()  # each epoch's training loss, over all ranks
     speedup: float | None = None  # vs one process, one thread, the same per-rank batch
     efficiency: float | None = None  # speedup / cores used (processes x threads)
+    seconds_to_loss: float | None = None  # to the loss all settings as asked reached
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,7 @@ class BenchConfig:
     sync_intervals: tuple[int, ...]
     cores: int
     controllers: tuple[str, ...] = ("mpi", "gloo")
+    precisions: tuple[str, ...] = ("fp32",)
 
     def __post_init__(self) -> None:
         for name in ("process_counts", "batch_sizes", "sync_intervals"):
@@ -93,6 +105,17 @@ class BenchConfig:
         unknown = set(self.controllers) - set(CONTROLLER_NAMES)
         if not self.controllers or unknown:
             raise InputError(f"controllers are gloo and mpi, got {', '.join(self.controllers)}")
+        if not self.precisions or set(self.precisions) - set(PRECISIONS):
+            raise InputError(f"precisions are fp32 and bf16, got {', '.join(self.precisions)}")
+
+
+# What bench can measure (auto is a choice between them, made by a trial at the job's start).
+PRECISIONS = ("fp32", "bf16")
+
+
+def default_precisions() -> tuple[str, ...]:
+    """fp32, and bf16 where the CPU does it natively (elsewhere it is emulated, and slower)."""
+    return PRECISIONS if native_bf16() else ("fp32",)
 
 
 def default_process_counts(cores: int) -> tuple[int, ...]:
@@ -103,12 +126,18 @@ def default_process_counts(cores: int) -> tuple[int, ...]:
 def jobs(config: BenchConfig) -> list[list[Setting]]:
     """The settings of each job to launch. One process tries one thread and all cores'
     threads; N processes share the cores (as `train` does by default) and, under each
-    controller, try each sync interval (and the direct allreduce too where there is one)."""
+    controller, try each sync interval (and the direct allreduce too where there is one);
+    each in every precision."""
     found = []
+    precisions = config.precisions
     for processes in config.process_counts:
         if processes == 1:
             found += [
-                [Setting(1, t, batch, 1) for batch in config.batch_sizes]
+                [
+                    Setting(1, t, batch, 1, precision=precision)
+                    for batch in config.batch_sizes
+                    for precision in precisions
+                ]
                 for t in sorted({1, config.cores})
             ]
             continue
@@ -118,9 +147,10 @@ def jobs(config: BenchConfig) -> list[list[Setting]]:
             if join.may_average_directly(controller) and 1 in config.sync_intervals:
                 ways.insert(1, (1, "direct"))
             settings = [
-                Setting(processes, threads, batch, k, controller, allreduce)
+                Setting(processes, threads, batch, k, controller, allreduce, precision)
                 for batch in config.batch_sizes
                 for k, allreduce in ways
+                for precision in precisions
             ]
             found.append(settings)
     return found
@@ -128,44 +158,57 @@ def jobs(config: BenchConfig) -> list[list[Setting]]:
 
 def _measure_on_rank(
     train_config: TrainConfig, settings: list[Setting], epochs: int
-) -> tuple[list[Measurement], float] | None:
+) -> tuple[list[Measurement], float, list[str]] | None:
     """Run on every rank: train each setting (all with the same threads) from the same start.
-    Rank 0 returns the measurements and the time of the first step (to measure the launch)."""
+    Rank 0 returns the measurements, the time of the first step (to measure the launch) and
+    notes on what it could not measure."""
     first = settings[0]
     world = join.init(first.threads)
     prepared = prepare(train_config, world, Fixed())
     first_step = time.time()
-    measurements = []
+    measurements, notes = [], []
+    failure = None
+    if any(s.precision == "bf16" for s in settings):
+        batch = first_batch(prepared.arrays, prepared.train_rows, train_config.batch_size)
+        failure = bf16_failure(prepared.model, prepared.loss_fn, batch)
+        if failure:
+            notes.append(f"bf16 not measured: the model or loss cannot run in bfloat16 ({failure})")
     for setting in settings:
         if setting.allreduce == "direct" and not world.averages_directly:
             continue  # Gloo fell back to TCP here: there is no direct allreduce to measure
+        if setting.precision == "bf16" and failure:
+            continue
         config = replace(
             train_config,
             batch_size=setting.batch_size,
             sync_every=setting.sync_every,
             allreduce=setting.allreduce,
         )
-        trainer = build_trainer(config, world, prepared, copy.deepcopy(prepared.model))
+        precision = Precision(setting.precision, "bench")
+        model = copy.deepcopy(prepared.model)
+        trainer = build_trainer(config, world, prepared, model, precision)
         trainer.restore(None)
-        for _ in range(epochs):
-            metrics = trainer.run_epoch(None)
+        epochs_run = [trainer.run_epoch(None) for _ in range(epochs)]
+        metrics = epochs_run[-1]
         steps = len(trainer.batches)
         step_ms = metrics.seconds / steps * 1e3
         wait_ms = metrics.wait_seconds / steps * 1e3
+        split = (step_ms, step_ms - wait_ms, wait_ms)
+        losses = tuple(m.train_loss for m in epochs_run)
         measurements.append(
-            Measurement(setting, metrics.samples_per_s, step_ms, step_ms - wait_ms, wait_ms)
+            Measurement(setting, metrics.samples_per_s, *split, metrics.seconds, losses)
         )
-    return (measurements, first_step) if world.is_root else None
+    return (measurements, first_step, notes) if world.is_root else None
 
 
 def run(config: BenchConfig, epochs: int) -> dict[str, Any]:
     """Launch the jobs one after another and collect every setting's measurement."""
     measurements: list[Measurement] = []
-    launches = []
+    launches, notes = [], []
     for settings in jobs(config):
         first = settings[0]
         launched = time.time()
-        found, first_step = launch.launch(
+        found, first_step, said = launch.launch(
             _measure_on_rank,
             (config.train, settings, epochs),
             np=first.processes,
@@ -173,6 +216,7 @@ def run(config: BenchConfig, epochs: int) -> dict[str, Any]:
             controller=first.controller,
         )[0]
         measurements += found
+        notes += [note for note in said if note not in notes]
         launches.append(
             {
                 "processes": first.processes,
@@ -182,6 +226,7 @@ def run(config: BenchConfig, epochs: int) -> dict[str, Any]:
             }
         )
     _relate(measurements)
+    target = to_same_loss(measurements, config.batch_sizes[0])
     return {
         "machine": {
             "cores": config.cores,
@@ -194,9 +239,11 @@ def run(config: BenchConfig, epochs: int) -> dict[str, Any]:
         "epochs": epochs,
         "measurements": [{**asdict(m), "label": m.setting.label()} for m in measurements],
         "launches": launches,
+        "notes": notes,
         "recommendation": recommend(
             measurements, config.batch_sizes[0], config.train, config.cores
         ),
+        "to_same_loss": soonest(measurements, target, config.train, config.cores),
     }
 
 
@@ -220,9 +267,7 @@ def recommend(
     """The fastest way to train as asked (the requested per-rank batch, gradients averaged
     every step), or a clearly faster one that changes the optimisation; why, in this
     machine's numbers; and the command line that runs it."""
-    as_asked = [
-        m for m in measurements if m.setting.batch_size == batch_size and m.setting.sync_every == 1
-    ]
+    as_asked = asked(measurements, batch_size)
     best = max(as_asked, key=lambda m: m.samples_per_s)
     fastest = max(measurements, key=lambda m: m.samples_per_s)
     chosen = best
@@ -244,12 +289,76 @@ def recommend(
                 f"waits {top.wait_ms:.2f} ms for the others, against {top.compute_ms:.2f} ms of "
                 "compute"
             )
+    if chosen.setting.precision == "bf16":
+        reasons.append(
+            "forward and loss in bfloat16 (weights, gradients and Adam in float32): compare its "
+            "validation loss with fp32's"
+        )
     return {
         "setting": asdict(chosen.setting),
         "label": chosen.setting.label(),
         "samples_per_s": chosen.samples_per_s,
         "reasons": reasons,
         "command": command_line(chosen.setting, train_config, cores),
+    }
+
+
+def asked(measurements: list[Measurement], batch_size: int) -> list[Measurement]:
+    """The settings that train as asked: the requested per-rank batch, every step averaged
+    (in either precision)."""
+    return [
+        m for m in measurements if m.setting.batch_size == batch_size and m.setting.sync_every == 1
+    ]
+
+
+def epochs_to(losses: tuple[float, ...], target: float) -> float | None:
+    """The epochs a run with these epoch losses took to reach `target`: the epoch it first got
+    there, less the part of it (linear between the epochs) it did not need; None if never."""
+    for index, loss in enumerate(losses):
+        if loss <= target:
+            if index == 0:
+                return 1.0
+            before = losses[index - 1]
+            return index + (before - target) / (before - loss)
+    return None
+
+
+def to_same_loss(measurements: list[Measurement], batch_size: int) -> float | None:
+    """The training loss every setting that trains as asked reached (the highest of their last
+    epochs'); sets each measurement's seconds to it (None where it never got there)."""
+    losses = [m.losses[-1] for m in asked(measurements, batch_size) if m.losses]
+    if not losses:
+        return None
+    target = max(losses)
+    for m in measurements:
+        epochs = epochs_to(m.losses, target)
+        m.seconds_to_loss = None if epochs is None else epochs * m.epoch_seconds
+    return target
+
+
+def soonest(
+    measurements: list[Measurement], target: float | None, train_config: TrainConfig, cores: int
+) -> dict[str, Any] | None:
+    """The setting that reached `target` soonest, against fp32's soonest, and its command."""
+    reached = [m for m in measurements if m.seconds_to_loss is not None]
+    if target is None or not reached:
+        return None
+    best = min(reached, key=lambda m: m.seconds_to_loss or 0.0)
+    text = f"train loss {target:.4g} in {best.seconds_to_loss:.2f} s"
+    fp32 = [m for m in reached if m.setting.precision == "fp32"]
+    if best.setting.precision != "fp32" and fp32:
+        rival = min(fp32, key=lambda m: m.seconds_to_loss or 0.0)
+        text += (
+            f", {(rival.seconds_to_loss or 0.0) / (best.seconds_to_loss or 1.0):.2f}x sooner "
+            f"than fp32's soonest ({rival.setting.label()}, {rival.seconds_to_loss:.2f} s)"
+        )
+    return {
+        "loss": target,
+        "setting": asdict(best.setting),
+        "label": best.setting.label(),
+        "seconds": best.seconds_to_loss,
+        "reason": text,
+        "command": command_line(best.setting, train_config, cores),
     }
 
 
@@ -300,6 +409,7 @@ def command_line(setting: Setting, train_config: TrainConfig, cores: int) -> str
         batch_size=setting.batch_size,
         sync_every=setting.sync_every,
         allreduce=_allreduce_option(setting),
+        precision=setting.precision,
         threads=setting.threads,
         val_fraction=TrainConfig.val_fraction,
         quiet=False,
@@ -333,22 +443,32 @@ def table(report: dict[str, Any]) -> str:
     rows = sorted(report["measurements"], key=lambda m: -m["samples_per_s"])
     header = (
         f"{'samples/s':>11}  {'step ms':>8}  {'wait ms':>8}  {'speed-up':>8}  "
-        f"{'efficiency':>10}  setting"
+        f"{'efficiency':>10}  {'to loss s':>9}  setting"
     )
     lines = [header] + [
         f"{m['samples_per_s']:>11,.0f}  {m['step_ms']:>8.3f}  {m['wait_ms']:>8.3f}  "
-        f"{_times(m['speedup']):>8}  {_share(m['efficiency']):>10}  {m['label']}"
+        f"{_times(m['speedup']):>8}  {_share(m['efficiency']):>10}  "
+        f"{_seconds(m.get('seconds_to_loss')):>9}  {m['label']}"
         for m in rows
     ]
     recommendation = report["recommendation"]
     lines += ["", f"recommended: {recommendation['label']}"]
     lines += [f"  - {reason}" for reason in recommendation["reasons"]]
     lines += [f"run it: {recommendation['command']}"]
+    soonest = report.get("to_same_loss")
+    if soonest:
+        lines += ["", f"soonest to the same loss: {soonest['label']}", f"  - {soonest['reason']}"]
+        lines += [f"run it: {soonest['command']}"]
+    lines += [f"note: {note}" for note in report.get("notes", [])]
     return "\n".join(lines)
 
 
 def _times(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _seconds(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.2f}"
 
 
 def _share(ratio: float | None) -> str:
