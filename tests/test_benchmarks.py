@@ -131,3 +131,26 @@ def test_the_gloo_benchmark_runs_every_setting(tmp_path: Path) -> None:
     runs = json.loads((tmp_path / "results.json").read_text())
     assert len(runs) == 8 and all(len(r) == 1 and r[0] > 0 for r in runs.values())
     assert "| hvd-cpu train, one process |" in done.stdout
+
+
+def test_the_precision_benchmark_runs_both_precisions_side_by_side(tmp_path: Path) -> None:
+    from hvd_cpu.training.precision import native_bf16
+
+    if native_bf16() is None:
+        pytest.skip("--precision bf16 is refused on a CPU without native bfloat16")
+    done = run(
+        [sys.executable, str(REPO / "benchmarks" / "precision.py"), "--rows", "4096",
+         "--speed-only", "--output", str(tmp_path)],
+        timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "precision.json").read_text())
+    assert [(r["name"], r["precision"]) for r in report["runs"]] == [
+        (name, precision)
+        for name in ("np 1, 1 thread", "np 1, all cores' threads", "np 2 Gloo", "np 2 MPI")
+        for precision in ("fp32", "bf16")
+    ]
+    assert all(len(r["epochs"]) == 8 for r in report["runs"])
+    assert set(report["steps"]) == {"this CPU", "AVX512_CORE", "AVX2"}
+    assert all(v > 0 for v in report["averaging"].values())
+    assert "| np 2 MPI | bf16 |" in done.stdout

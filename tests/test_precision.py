@@ -85,6 +85,7 @@ def test_elastic_ranks_cannot_time_a_precision_together() -> None:
 
 
 @SLOW
+@pytest.mark.beside  # it measures no seconds
 @needs_native_bf16
 def test_bf16_trains_resumes_bit_exact_and_predicts_in_fp32(tmp_path: Path) -> None:
     data = demo_file(tmp_path / "demo.parquet", rows=2048)
