@@ -36,7 +36,10 @@ from .jobs import (
 pytestmark = [pytest.mark.slow, pytest.mark.beside]
 
 EPOCHS = 4
-ROWS = 60_000  # some 0.7 s an epoch on 2 ranks here: a SIGTERM lands inside one
+# Some 0.6 s an epoch on 2 ranks of a fast CPU (2026-12-06's AMD EPYC; 2.3 s on an older VM):
+# the SIGTERM sent once epoch 1 is printed lands well inside the three left. At 60,000 rows the
+# whole job took 0.5 s after that line there, and once ended before the signal arrived.
+ROWS = 200_000
 STOPS_WITHIN = 30  # Kubernetes' default grace between SIGTERM and SIGKILL
 PREEMPTED = 75
 
