@@ -106,7 +106,11 @@ class Training(Restarts):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         # Ray Data's tasks run here, while every CPU is free; the blocks stay in the store.
+        # to_arrow_refs converts blocks that are not Arrow yet (a pandas frame's) in tasks of
+        # a CPU each, which would wait forever behind a group that holds every CPU: they end
+        # first (the job hung at random without this wait).
         blocks = self.dataset.repartition(num_proc).materialize().to_arrow_refs()
+        ray.wait(blocks, num_returns=len(blocks), fetch_local=False)
         group = placement_group([{"CPU": 1}] * num_proc, strategy=self.strategy)
         actors: list[Any] = []
         try:
