@@ -86,7 +86,12 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     command += ["--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}"]
     command += ["--artifacts-destination", str(folder / "artifacts"), "--workers", "1"]
     log = (folder / "server.log").open("w")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # Without job execution (the tests submit no jobs), whose store MLflow makes in /dev/shm and
+    # leaves there when it is stopped.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    server = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
     uri = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + SERVER_START_SECONDS
