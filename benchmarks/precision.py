@@ -17,6 +17,10 @@ float32 gradients and half those bytes, and cast the gradients to bfloat16 and b
 native bfloat16: a step of the wide MLP (batch 256, one thread) in both precisions, timed as
 --precision auto times it, with oneDNN (torch's CPU kernels) held to the instructions of a CPU
 without AVX-512 BF16 (ONEDNN_MAX_CPU_ISA=AVX512_CORE) or without AVX-512 (AVX2).
+The ceiling of two processes (`--ceiling`, alone): in alternated rounds, one process with both
+cores' threads stepping the wide MLP at batch 256, against two single-thread processes stepping
+it at batch 128 each at the same time and never communicating, which no averaging, however
+fast, can beat; with Adam's update and without it (which sharding the optimizer would halve).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +151,79 @@ def step_times() -> None:
     print(json.dumps({name: seconds * 1e3 for name, seconds in timed.items()}))
 
 
+def ceiling_rank(precision: str, threads: int, batch: int, optimizer: bool, seconds: float) -> None:
+    """Steps of the wide MLP at `batch` on `threads` for `seconds`; prints the median ms."""
+    import torch
+
+    from hvd_cpu.model.optim import adam
+    from hvd_cpu.training.precision import Precision
+
+    torch.set_num_threads(threads)
+    model, autocast = build("wide", 16), Precision(precision, "ceiling").autocast
+    adam_update = adam(model.parameters(), 1e-3)
+    x, y = torch.randn(batch, 16), torch.randn(batch, 1)
+
+    def step() -> None:
+        adam_update.zero_grad()
+        with autocast():
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if optimizer:
+            adam_update.step()
+
+    times, end = [], time.monotonic() + seconds
+    for _ in range(20):
+        step()
+    while time.monotonic() < end:
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    print(statistics.median(times) * 1e3)
+
+
+def ceiling(rounds: int, seconds: float) -> list[dict]:
+    """Per round, precision and with or without Adam: samples/s of one process with two threads
+    at batch 256 and of two one-thread processes at batch 128 stepping at once (the slower of
+    the two sets the pace, as the average would)."""
+
+    def started(threads: int, batch: int, precision: str, optimizer: bool) -> subprocess.Popen:
+        command = [sys.executable, __file__, "--ceiling-rank", precision, str(threads),
+                   str(batch), str(int(optimizer)), str(seconds)]  # fmt: skip
+        return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+
+    def step_ms(processes: list[subprocess.Popen]) -> float:
+        return max(float(p.communicate()[0].strip().splitlines()[-1]) for p in processes)
+
+    found = []
+    for number in range(rounds):
+        for precision in PRECISIONS:
+            for optimizer in (True, False):
+                one = 256 / step_ms([started(2, 256, precision, optimizer)]) * 1e3
+                two = 256 / step_ms([started(1, 128, precision, optimizer) for _ in "ab"]) * 1e3
+                found.append({"round": number, "precision": precision, "adam": optimizer,
+                              "np 1, 2 threads": one, "2 x np 1, 1 thread": two})  # fmt: skip
+                print(f"ceiling: {found[-1]}", file=sys.stderr)
+    return found
+
+
+def ceiling_markdown(found: list[dict]) -> str:
+    """Medians over the rounds, and the median of the rounds' ratios."""
+    lines = [
+        "| precision | step | np 1, 2 threads, batch 256 | 2 processes, batch 128 each, "
+        "no averaging | ratio (median of rounds) |",
+        "|---|---|---|---|---|",
+    ]
+    for precision in PRECISIONS:
+        for optimizer in (True, False):
+            rows = [f for f in found if (f["precision"], f["adam"]) == (precision, optimizer)]
+            one, two = (statistics.median(r[k] for r in rows) for k in
+                        ("np 1, 2 threads", "2 x np 1, 1 thread"))  # fmt: skip
+            ratio = statistics.median(r["2 x np 1, 1 thread"] / r["np 1, 2 threads"] for r in rows)
+            step = "forward, backward, Adam" if optimizer else "forward, backward"
+            lines.append(f"| {precision} | {step} | {one:,.0f} | {two:,.0f} | {ratio:.2f}x |")
+    return "\n".join(lines)
+
+
 def without_native_bf16() -> dict[str, dict[str, float]]:
     """step_times with oneDNN as it is here, and held to the instructions of CPUs without
     AVX-512 BF16 and without AVX-512."""
@@ -172,13 +251,24 @@ def main() -> None:
     if sys.argv[1:] == ["--step-times"]:
         step_times()
         return
+    if sys.argv[1:2] == ["--ceiling-rank"]:
+        precision, threads, batch, optimizer, seconds = sys.argv[2:]
+        ceiling_rank(precision, int(threads), int(batch), optimizer == "1", float(seconds))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--output", type=Path, default=Path("runs/precision"))
     parser.add_argument("--flights-rows", type=int, help="only this many rows of the flights table")
     parser.add_argument("--speed-only", action="store_true", help="leave out the accuracy runs")
+    parser.add_argument("--ceiling", type=int, metavar="ROUNDS", help="only the ceiling of np 2")
+    parser.add_argument("--ceiling-seconds", type=float, default=3.0, help="each process's steps")
     args = parser.parse_args()
     args.output.mkdir(parents=True, exist_ok=True)
+    if args.ceiling:
+        found = ceiling(args.ceiling, args.ceiling_seconds)
+        print(ceiling_markdown(found))
+        (args.output / "ceiling.json").write_text(json.dumps(found, indent=2) + "\n")
+        return
     frames = {
         "synthetic": args.output / f"frame-{args.rows}.parquet",
         "flights": args.output / f"flights-{args.flights_rows or 'all'}.parquet",

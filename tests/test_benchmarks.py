@@ -154,3 +154,15 @@ def test_the_precision_benchmark_runs_both_precisions_side_by_side(tmp_path: Pat
     assert set(report["steps"]) == {"this CPU", "AVX512_CORE", "AVX2"}
     assert all(v > 0 for v in report["averaging"].values())
     assert "| np 2 MPI | bf16 |" in done.stdout
+    ceiling = run(
+        [sys.executable, str(REPO / "benchmarks" / "precision.py"), "--ceiling", "1",
+         "--ceiling-seconds", "0.3", "--output", str(tmp_path)],
+        timeout=300,
+    )  # fmt: skip
+    assert ceiling.returncode == 0, ceiling.stdout + ceiling.stderr
+    measured = json.loads((tmp_path / "ceiling.json").read_text())
+    assert [(m["precision"], m["adam"]) for m in measured] == [
+        (precision, adam) for precision in ("fp32", "bf16") for adam in (True, False)
+    ]
+    assert all(m["np 1, 2 threads"] > 0 and m["2 x np 1, 1 thread"] > 0 for m in measured)
+    assert "| bf16 | forward, backward, Adam |" in ceiling.stdout
