@@ -10,7 +10,8 @@ Speed: every epoch's samples over every epoch's training seconds but the first (
 Time to loss: training seconds until the validation loss (float32, as predict serves the
 model) first reaches the loss the exact reference, one process in fp32 with all cores'
 threads, has after REFERENCE_EPOCHS of its epochs, interpolated within the epoch that reached
-it. Accuracy: each run's final validation loss (and the mean of its last three, as the loss
+it; with `--seeds N`, the speed runs again under seeds 1..N-1 (another start of the weights,
+hold-out and shuffles), each against its own seed's reference. Accuracy: each run's final validation loss (and the mean of its last three, as the loss
 of a run without lr decay moves from epoch to epoch), bf16 against fp32 on the same table,
 model, ranks and epochs. Averaging in bf16: two MPI ranks allreduce the wide MLP's 2.1 MB of
 float32 gradients and half those bytes, and cast the gradients to bfloat16 and back. Without
@@ -57,16 +58,17 @@ class Run:
     epochs: int = EPOCHS
     options: list[str] = field(default_factory=list)
     controller: str = "gloo"
+    seed: int = 0  # hvd-cpu's --seed: the weights' start, the hold-out, the shuffles
 
 
-def speed_runs() -> list[Run]:
+def speed_runs(seed: int = 0) -> list[Run]:
     """The wide MLP at a global batch of 256: one process with one thread and with both
     cores' threads, two processes over Gloo (the card's path) and over MPI."""
     return [
-        Run("np 1, 1 thread", 1, 256, options=["--threads", "1"]),
-        Run("np 1, all cores' threads", 1, 256),
-        Run("np 2 Gloo", 2, 128),
-        Run("np 2 MPI", 2, 128, controller="mpi"),
+        Run("np 1, 1 thread", 1, 256, options=["--threads", "1"], seed=seed),
+        Run("np 1, all cores' threads", 1, 256, seed=seed),
+        Run("np 2 Gloo", 2, 128, seed=seed),
+        Run("np 2 MPI", 2, 128, controller="mpi", seed=seed),
     ]
 
 
@@ -89,7 +91,8 @@ def train(run: Run, precision: str, frame: Path, out: Path) -> list[dict]:
     if run.processes > 1:
         launcher = [str(BIN / "horovodrun"), f"--{run.controller}", "-np", str(run.processes)]
     options = ["--batch-size", str(run.batch), "--hidden", ",".join(map(str, hidden))]
-    options += ["--activation", activation, "--precision", precision, *run.options]
+    options += ["--activation", activation, "--precision", precision, "--seed", str(run.seed)]
+    options += run.options
     train_job(launcher, frame, out, run.epochs, *options)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -260,6 +263,9 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=Path("runs/precision"))
     parser.add_argument("--flights-rows", type=int, help="only this many rows of the flights table")
     parser.add_argument("--speed-only", action="store_true", help="leave out the accuracy runs")
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="the speed runs under seeds 0..N-1, for time to loss"
+    )
     parser.add_argument("--ceiling", type=int, metavar="ROUNDS", help="only the ceiling of np 2")
     parser.add_argument("--ceiling-seconds", type=float, default=3.0, help="each process's steps")
     args = parser.parse_args()
@@ -274,6 +280,7 @@ def main() -> None:
         "flights": args.output / f"flights-{args.flights_rows or 'all'}.parquet",
     }
     runs = speed_runs() + ([] if args.speed_only else accuracy_runs())
+    runs += [run for seed in range(1, args.seeds) for run in speed_runs(seed)]
     results = []
     for number, run in enumerate(runs):
         frame = frames[run.table]
@@ -286,7 +293,9 @@ def main() -> None:
             epochs = train(run, precision, frame, out)
             results.append({**run.__dict__, "precision": precision, "epochs": epochs})
     averaging, emulated = averaging_in_bf16(), without_native_bf16()
-    print(markdown(results))
+    print(markdown([r for r in results if r["seed"] == 0]))
+    if args.seeds > 1:
+        print("\n" + seeds_markdown(results))
     print("\naveraging the wide MLP's gradients, two MPI ranks: " + json.dumps(averaging))
     print("\na step of the wide MLP, ms, by oneDNN's instructions: " + json.dumps(emulated))
     (args.output / "precision.json").write_text(
@@ -294,20 +303,60 @@ def main() -> None:
     )
 
 
-def markdown(results: list[dict]) -> str:
-    """The speed table (wide MLP, global batch 256) and the accuracy table."""
-    speed_names = {run.name for run in speed_runs()}
-    wide = [
+def soonest(runs: list[dict], loss: float) -> tuple[float, str] | None:
+    """The least training seconds to `loss` among `runs`, and that run's name."""
+    reached = [(seconds_to(r["epochs"], loss), r["name"]) for r in runs]
+    found = [(seconds, name) for seconds, name in reached if seconds is not None]
+    return min(found) if found else None
+
+
+def seeds_markdown(results: list[dict]) -> str:
+    """Per seed: the loss to reach (its own reference's), the soonest fp32 and bf16 runs to it,
+    and bf16's ratio; then the median ratio."""
+    lines = [
+        "| seed | loss to reach | fp32's soonest | bf16's soonest | bf16 vs fp32 |",
+        "|---|---|---|---|---|",
+    ]
+    ratios = []
+    for seed in sorted({r["seed"] for r in results}):
+        wide = speed_results([r for r in results if r["seed"] == seed])
+        loss = reference_loss(wide)
+        fp32, bf16 = (soonest([r for r in wide if r["precision"] == p], loss) for p in PRECISIONS)
+        ratio = fp32[0] / bf16[0] if fp32 and bf16 else None
+        ratios += [ratio] if ratio else []
+        said = [f"{x[0]:.1f} s ({x[1]})" if x else "not reached" for x in (fp32, bf16)]
+        lines.append(
+            f"| {seed} | {loss:.4f} | {said[0]} | {said[1]} "
+            f"| {'-' if ratio is None else f'{ratio:.2f}x'} |"
+        )
+    if ratios:
+        lines += ["", f"median of bf16 vs fp32 over the seeds: {statistics.median(ratios):.2f}x"]
+    return "\n".join(lines)
+
+
+def speed_results(results: list[dict]) -> list[dict]:
+    """The speed runs' results among `results` (the wide MLP on the synthetic table)."""
+    names = {run.name for run in speed_runs()}
+    return [
         r for r in results
-        if (r["model"], r["table"]) == ("wide", "synthetic") and r["name"] in speed_names
+        if (r["model"], r["table"]) == ("wide", "synthetic") and r["name"] in names
     ]  # fmt: skip
+
+
+def reference_loss(wide: list[dict]) -> float:
+    """The exact reference's validation loss after REFERENCE_EPOCHS: the loss to reach."""
     reference = next(
         r for r in wide if r["name"] == "np 1, all cores' threads" and r["precision"] == "fp32"
     )
-    loss = reference["epochs"][REFERENCE_EPOCHS - 1]["val_loss"]
+    return reference["epochs"][REFERENCE_EPOCHS - 1]["val_loss"]
+
+
+def markdown(results: list[dict]) -> str:
+    """The speed table (wide MLP, global batch 256) and the accuracy table."""
+    wide = speed_results(results)
+    loss = reference_loss(wide)
     best_single = max(speed(r["epochs"]) for r in wide if r["processes"] == 1)
-    fp32_times = [seconds_to(r["epochs"], loss) for r in wide if r["precision"] == "fp32"]
-    fp32_best = min(t for t in fp32_times if t is not None)
+    fp32_best = soonest([r for r in wide if r["precision"] == "fp32"], loss)[0]
     lines = [
         f"wide MLP (3 x 512, ReLU), global batch 256, synthetic table; loss to reach {loss:.4f} "
         f"(np 1 fp32, all cores' threads, after {REFERENCE_EPOCHS} of {EPOCHS} epochs)",

@@ -4,6 +4,7 @@ they are measured on a quiet machine and written in docs/measurements.md)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -139,14 +140,15 @@ def test_the_precision_benchmark_runs_both_precisions_side_by_side(tmp_path: Pat
     if native_bf16() is None:
         pytest.skip("--precision bf16 is refused on a CPU without native bfloat16")
     done = run(
-        [sys.executable, str(REPO / "benchmarks" / "precision.py"), "--rows", "4096",
-         "--speed-only", "--output", str(tmp_path)],
+        [sys.executable, str(REPO / "benchmarks" / "precision.py"), "--rows", "2048",
+         "--speed-only", "--seeds", "2", "--output", str(tmp_path)],
         timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "precision.json").read_text())
-    assert [(r["name"], r["precision"]) for r in report["runs"]] == [
-        (name, precision)
+    assert [(r["seed"], r["name"], r["precision"]) for r in report["runs"]] == [
+        (seed, name, precision)
+        for seed in (0, 1)
         for name in ("np 1, 1 thread", "np 1, all cores' threads", "np 2 Gloo", "np 2 MPI")
         for precision in ("fp32", "bf16")
     ]
@@ -154,6 +156,7 @@ def test_the_precision_benchmark_runs_both_precisions_side_by_side(tmp_path: Pat
     assert set(report["steps"]) == {"this CPU", "AVX512_CORE", "AVX2"}
     assert all(v > 0 for v in report["averaging"].values())
     assert "| np 2 MPI | bf16 |" in done.stdout
+    assert re.search(r"^\| 1 \| [\d.]+ \| ", done.stdout, re.MULTILINE), done.stdout
     ceiling = run(
         [sys.executable, str(REPO / "benchmarks" / "precision.py"), "--ceiling", "1",
          "--ceiling-seconds", "0.3", "--output", str(tmp_path)],
