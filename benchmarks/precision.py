@@ -11,9 +11,9 @@ Time to loss: training seconds until the validation loss (float32, as predict se
 model) first reaches the loss the exact reference, one process in fp32 with all cores'
 threads, has after REFERENCE_EPOCHS of its epochs, interpolated within the epoch that reached
 it; with `--seeds N`, the speed runs again under seeds 1..N-1 (another start of the weights,
-hold-out and shuffles), each against its own seed's reference. Accuracy: each run's final validation loss (and the mean of its last three, as the loss
-of a run without lr decay moves from epoch to epoch), bf16 against fp32 on the same table,
-model, ranks and epochs. Averaging in bf16: two MPI ranks allreduce the wide MLP's 2.1 MB of
+hold-out and shuffles), each against its own seed's reference. Accuracy: each run's final
+validation loss (and the mean of its last three, as the loss of a run without lr decay moves
+from epoch to epoch), bf16 against fp32 on the same table, model, ranks and epochs. Averaging in bf16: two MPI ranks allreduce the wide MLP's 2.1 MB of
 float32 gradients and half those bytes, and cast the gradients to bfloat16 and back. Without
 native bfloat16: a step of the wide MLP (batch 256, one thread) in both precisions, timed as
 --precision auto times it, with oneDNN (torch's CPU kernels) held to the instructions of a CPU
