@@ -176,10 +176,10 @@ def ceiling_rank(precision: str, threads: int, batch: int, optimizer: bool, seco
         if optimizer:
             adam_update.step()
 
-    times, end = [], time.monotonic() + seconds
     for _ in range(20):
         step()
-    while time.monotonic() < end:
+    times, end = [], time.monotonic() + seconds  # after the warm-up, however long it took
+    while len(times) < 3 or time.monotonic() < end:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
