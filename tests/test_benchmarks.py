@@ -6,23 +6,29 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from .jobs import REPO, mpirun_command, run
+from .jobs import REPO, Run, mpirun_command, run
 
 # Their numbers are not checked: they may run beside another test.
 pytestmark = [pytest.mark.slow, pytest.mark.beside]
 
 
-def test_benchmark_suite_runs_every_contender(tmp_path: Path) -> None:
-    done = run(
-        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--rows", "2000",
-         "--flights-rows", "3000", "--output", str(tmp_path)],
-        timeout=900,
-    )  # fmt: skip
+def benchmark(script: str, *args: str, timeout: float, launcher: Sequence[str] = ()) -> Run:
+    """`benchmarks/SCRIPT ARGS` under this Python (after `launcher`, if any), which must end 0."""
+    command = [*launcher, sys.executable, str(REPO / "benchmarks" / script), *args]
+    done = run(command, timeout=timeout)
     assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_benchmark_suite_runs_every_contender(tmp_path: Path) -> None:
+    benchmark(
+        "run.py", "--rows", "2000", "--flights-rows", "3000", "--output", str(tmp_path), timeout=900
+    )
     rows = json.loads((tmp_path / "results.json").read_text())
     kinds = {row["name"].split(" ")[0] for row in rows}
     assert kinds == {"(a)", "(b)", "(c)"}
@@ -69,13 +75,10 @@ def time_to(loss: float, epochs: list[dict]) -> float | None:
 
 def test_memory_benchmark_writes_its_table(tmp_path: Path) -> None:
     results = tmp_path / "memory.md"
-    done = run(
-        [sys.executable, str(REPO / "benchmarks" / "memory.py"), "--rows", "20000",
-         "--row-group-size", "2000", "--np", "1,2", "--cache", str(tmp_path / "cache"),
-         "--results", str(results)],
-        timeout=600,
+    benchmark(
+        "memory.py", "--rows", "20000", "--row-group-size", "2000", "--np", "1,2", "--cache",
+        str(tmp_path / "cache"), "--results", str(results), timeout=600
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
     text = results.read_text()
     assert "20,000 rows x 25 float32 columns in 10 row groups" in text
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| 1 ")]
@@ -86,12 +89,9 @@ def test_memory_benchmark_writes_its_table(tmp_path: Path) -> None:
 
 
 def test_startup_benchmark_times_each_phase_in_order(tmp_path: Path) -> None:
-    done = run(
-        [sys.executable, str(REPO / "benchmarks" / "startup.py"), "--np", "2", "--runs", "1",
-         "--output", str(tmp_path)],
-        timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = benchmark(
+        "startup.py", "--np", "2", "--runs", "1", "--output", str(tmp_path), timeout=300
+    )
     rows = [line.split("|")[1:3] for line in done.stdout.splitlines()[2:]]
     seconds = {name.strip(): float(value) for name, value in rows}
     launch, *phases = seconds
@@ -103,12 +103,10 @@ def test_startup_benchmark_times_each_phase_in_order(tmp_path: Path) -> None:
 def test_step_levers_benchmark_compares_each_lever_with_the_direct_path() -> None:
     """Overlap and ZeRO-1 end where the direct path ends after a few steps (their times are
     docs/measurements.md's)."""
-    done = run(
-        [*mpirun_command(2), sys.executable, str(REPO / "benchmarks" / "step_levers.py"),
-         "--batch", "16", "--steps", "5", "--rounds", "1"],
-        timeout=300,
+    done = benchmark(
+        "step_levers.py", "--batch", "16", "--steps", "5", "--rounds", "1", timeout=300,
+        launcher=mpirun_command(2)
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
     rows = [
         [cell.strip() for cell in line.split("|")[1:-1]]
         for _, line in done.rank_lines(0)
@@ -123,12 +121,9 @@ def test_step_levers_benchmark_compares_each_lever_with_the_direct_path() -> Non
 
 
 def test_the_gloo_benchmark_runs_every_setting(tmp_path: Path) -> None:
-    done = run(
-        [sys.executable, str(REPO / "benchmarks" / "gloo.py"), "--rounds", "1", "--rows", "3000",
-         "--output", str(tmp_path)],
-        timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = benchmark(
+        "gloo.py", "--rounds", "1", "--rows", "3000", "--output", str(tmp_path), timeout=900
+    )
     runs = json.loads((tmp_path / "results.json").read_text())
     assert len(runs) == 8 and all(len(r) == 1 and r[0] > 0 for r in runs.values())
     assert "| hvd-cpu train, one process |" in done.stdout
@@ -139,12 +134,10 @@ def test_the_precision_benchmark_runs_both_precisions_side_by_side(tmp_path: Pat
 
     if native_bf16() is None:
         pytest.skip("--precision bf16 is refused on a CPU without native bfloat16")
-    done = run(
-        [sys.executable, str(REPO / "benchmarks" / "precision.py"), "--rows", "2048",
-         "--speed-only", "--seeds", "2", "--output", str(tmp_path)],
-        timeout=900,
+    done = benchmark(
+        "precision.py", "--rows", "2048", "--speed-only", "--seeds", "2", "--output",
+        str(tmp_path), timeout=900
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "precision.json").read_text())
     assert [(r["seed"], r["name"], r["precision"]) for r in report["runs"]] == [
         (seed, name, precision)
@@ -157,12 +150,10 @@ def test_the_precision_benchmark_runs_both_precisions_side_by_side(tmp_path: Pat
     assert all(v > 0 for v in report["averaging"].values())
     assert "| np 2 MPI | bf16 |" in done.stdout
     assert re.search(r"^\| 1 \| [\d.]+ \| ", done.stdout, re.MULTILINE), done.stdout
-    ceiling = run(
-        [sys.executable, str(REPO / "benchmarks" / "precision.py"), "--ceiling", "1",
-         "--ceiling-seconds", "0.3", "--output", str(tmp_path)],
-        timeout=300,
+    ceiling = benchmark(
+        "precision.py", "--ceiling", "1", "--ceiling-seconds", "0.3", "--output", str(tmp_path),
+        timeout=300
     )  # fmt: skip
-    assert ceiling.returncode == 0, ceiling.stdout + ceiling.stderr
     measured = json.loads((tmp_path / "ceiling.json").read_text())
     assert [(m["precision"], m["adam"]) for m in measured] == [
         (precision, adam) for precision in ("fp32", "bf16") for adam in (True, False)
