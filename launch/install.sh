@@ -47,6 +47,8 @@ if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
     # The compiler cache Horovod's build uses where a machine has it (its test; the fresh
     # machine's rebuilds).
     command -v ccache >/dev/null || need_debs+=(ccache)
+    # A debugger that stops a rank at a chosen point inside Horovod (tests/test_elastic.py).
+    command -v gdb >/dev/null || need_debs+=(gdb)
     # The SLURM tests' one-machine cluster. srun --mpi=pmix's plugin (in slurm-wlm-basic-plugins,
     # which slurmd pulls in) dlopens pmix2/lib/libpmix.so, which only libpmix-dev ships.
     for tool in munged:munge slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client; do

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -166,6 +168,52 @@ def test_a_lost_or_stalled_rank_is_replaced_and_training_goes_on(
     back = job.wait_for(r"hvd-cpu: [23] -> 4 ranks", 90)
     sizes = survived(job, output, uninterrupted, killed=killed, went_on=went_on, back=back)
     assert sizes[0] == 4 and min(sizes) < 4 and sizes[-1] == 4
+    # The stall watch names the victim alone: a live rank that waits for the one that speaks
+    # keeps beating (it once went silent for that wait, and a third rank named it).
+    named = [line for line in job.output.splitlines() if re.search(r"hvd-cpu: rank \d+: ", line)]
+    assert all(f"(pid {victim})" in line for line in named), named
+
+
+# gdb's commands for a rank stopped where Horovod's elastic runs hung: inside the controller's
+# answer to the ranks (its second broadcast, the answer itself), on the rank the answer reaches
+# last. Rank 0 waits there to send it and fails when the rank is lost; the rank beside rank 0
+# got the answer and waits for rank 0 in the next cycle, in shared memory.
+STOP_IN_THE_ANSWER = [
+    "set pagination off", "sharedlibrary mpi_lib_v2",
+    "break horovod::common::GlooController::RecvFinalTensors", "continue", "delete",
+    "break gloo::broadcast", "continue", "continue", "backtrace 3",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    shutil.which("gdb") is None and os.geteuid() != 0,
+    reason="gdb (launch/install.sh --test installs it as root)",
+)
+def test_a_rank_lost_inside_horovods_answer_leaves_no_rank_waiting(
+    frame: Path, paced: tuple[str, str], tmp_path: Path
+) -> None:
+    """Horovod patch shared-memory-closed-at-shutdown: rank 0, shut down by the loss, once
+    left its shared memory open, and the rank beside it waited there for ever (a live rank is
+    waited for), while rank 0 waited for it to start again: the job hung (seen in CI)."""
+    output = tmp_path / "out"
+    job = elastic("--data", str(frame), "--epochs", "6", *paced, "--output", str(output),
+                  "--stall-seconds", "10", NP="4", COOLDOWN="5 5")  # fmt: skip
+    job.wait_for(r"Epoch 2:", 120)
+    running = ranks_of(output)
+    victim = next(pid for pid, env in running if env["HOROVOD_RANK"] == "2")
+    gdb = ["gdb", "-p", str(victim), "-batch", "-iex", "set auto-solib-add off"]
+    for command in [*STOP_IN_THE_ANSWER, f"shell kill -STOP {victim}", "detach"]:
+        gdb += ["-ex", command]
+    stopped = subprocess.run(gdb, capture_output=True, text=True, timeout=60)
+    assert "RecvFinalTensors" in stopped.stdout, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    job.wait_for(rf"\(pid {victim}\) has not answered for 10 s .*; dropped as a lost rank", 30)
+    job.wait_for(r"shared memory: rank 0 of this host has shut down", 15)
+    job.wait_for(r"hvd-cpu: 4 -> [23] ranks; going on from the last commit", 30)
+    assert job.finish(120) == 0, job.summary()
+    assert [m["epoch"] for m in metrics(output)] == list(range(1, 7))
+    assert "Traceback" not in job.output
+    no_process_left(output)
 
 
 def killed_beside_rank_0(job: LiveJob, output: Path) -> tuple[list[str], float]:

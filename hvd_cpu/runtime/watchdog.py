@@ -321,6 +321,15 @@ class Watchdog:
         if stalled:
             self._end(stalled, lag, stuck)
 
+    def _give_the_reporter_its_lead(self) -> None:
+        """Wait REPORTER_LEAD seconds for the rank that speaks, beating meanwhile: a silent
+        wait here would make the others name this live rank as silent too."""
+        until = time.monotonic() + REPORTER_LEAD
+        while (left := until - time.monotonic()) > 0:
+            self._send(BEAT)
+            self.last_tick = time.monotonic()
+            time.sleep(min(self.interval, left))
+
     def _reporter(self, lag: dict[int, float]) -> bool:
         """Whether this rank is the lowest of those that still answer and move on (the one
         that speaks)."""
@@ -353,7 +362,7 @@ class Watchdog:
             # The rank that speaks goes first: an exit here could make the launcher stop it
             # before its line is out. Still here after that, this rank speaks: that one
             # could not (its own heartbeat stood still too).
-            time.sleep(REPORTER_LEAD)
+            self._give_the_reporter_its_lead()
         if not ending() and not self.told_named():
             # Not told to end meanwhile (by the launcher ending the job, or by a rank that
             # named the stall): say why the job ends, then tell the others it is said (they
@@ -416,7 +425,7 @@ class Watchdog:
                 self._forget(peer)
         ended = [p for p in stalled if killable(p)]
         if ended and not reporter:
-            time.sleep(REPORTER_LEAD)  # the rank that speaks kills them; if it could not
+            self._give_the_reporter_its_lead()  # the rank that speaks kills them; if it could not
             ended = [p for p in ended if killable(p)]
         for peer in ended:
             self._kill(peer)
