@@ -213,7 +213,9 @@ class ElasticState(State):
 
     Horovod's TorchState would broadcast the optimizer with broadcast_optimizer_state, whose
     zero-gradient step on a joining rank's fresh optimizer shifts Adam's bias correction; this
-    one leaves capture, apply and rejoin to the training code (training/elastic.py).
+    one leaves capture, apply and rejoin to the training code (training/elastic.py), and its
+    broadcasts to `broadcast(obj, name)`: the world's, counted, so that the stall watch sees a
+    rank waiting in a commit as waiting, not as stuck behind the others.
     """
 
     def __init__(
@@ -221,9 +223,14 @@ class ElasticState(State):
         capture: Callable[[], dict[str, Any]],
         apply: Callable[[dict[str, Any]], None],
         rejoin: Callable[[], None],
+        broadcast: Callable[[Any, str], Any],
     ) -> None:
-        super().__init__(bcast_object=_broadcast_host_updates, get_rank=hvd.rank)
+        super().__init__(
+            bcast_object=lambda update: broadcast(update, "elastic_host_updates"),
+            get_rank=hvd.rank,
+        )
         self._capture, self._apply, self._rejoin = capture, apply, rejoin
+        self._broadcast = broadcast
         self._saved: dict[str, Any] = {}
         self.failures = 0  # times the job lost a rank and went on (not undone by restore)
 
@@ -235,12 +242,8 @@ class ElasticState(State):
 
     def sync(self) -> None:
         self._rejoin()
-        self.failures = hvd.broadcast_object(self.failures, root_rank=0, name="elastic_failures")
+        self.failures = self._broadcast(self.failures, "elastic_failures")
         self.save()
-
-
-def _broadcast_host_updates(update: Any) -> Any:
-    return hvd.broadcast_object(update, root_rank=0, name="elastic_host_updates")
 
 
 def listen_for_host_updates(state: ElasticState) -> None:

@@ -71,7 +71,7 @@ class ElasticJob:
 
     def __init__(self, job: Job, scope: RunScope) -> None:
         self.job, self.scope = job, scope
-        self.state = horovod.ElasticState(self.capture, self.apply, self.rejoin)
+        self.state = horovod.ElasticState(self.capture, self.apply, self.rejoin, self.broadcast)
 
     def run(self) -> None:
         """The whole run, or RunFailed after more than --max-restarts lost ranks."""
@@ -94,6 +94,10 @@ class ElasticJob:
     def apply(self, saved: dict[str, Any]) -> None:
         self.job.trainer.load(saved["model"], saved["optimizer"], saved["loop"])
         self.job.started = saved["started"]
+
+    def broadcast(self, obj: Any, name: str) -> Any:
+        """Rank 0's `obj`, through the collectives of the ranks `rejoin` found (counted)."""
+        return self.world.collectives.broadcast_object(obj, name)
 
     def rejoin(self) -> None:
         """At each (re)start, on the ranks there are now: first this rank's new place (rank 0
